@@ -1,0 +1,32 @@
+"""ForwardContext: what every layer of one forward pass shares."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from glmserve.model.forward_batch import ForwardBatch
+from glmserve.model.paged_cache import PagedKVCache
+
+
+@dataclass
+class ForwardContext:
+    """One forward pass over a ForwardBatch.
+
+    `cache` None means the batch is self-contained (training, or a reference run): every sequence must
+    have num_cached == 0 and attends to its own new tokens only.
+    `dense_attention` turns the sparse top-k restriction off (the DSA dense warm-up in training).
+    `collect_indexer` asks full-indexer layers to record (index scores, attention probabilities) per
+    sequence in `indexer_records`, for the indexer's distillation loss.
+    `force_absorbed` chooses the attention kernel (None: absorbed for short queries, expanded otherwise).
+    """
+
+    batch: ForwardBatch
+    cos: torch.Tensor
+    sin: torch.Tensor
+    cache: PagedKVCache | None = None
+    dense_attention: bool = False
+    collect_indexer: bool = False
+    force_absorbed: bool | None = None
+    indexer_records: list[tuple[int, torch.Tensor, torch.Tensor]] = field(default_factory=list)

@@ -1,0 +1,61 @@
+"""DSA lightning indexer: scores every earlier token for each query and keeps the best `index_topk`.
+
+Scores are ReLU(q_h . k) summed over heads with per-token weights from `weights_proj` (kept in fp32).
+Only `full` layers own an indexer; `shared` layers reuse the nearest earlier full layer's selection.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from glmserve.model.config import GlmConfig
+from glmserve.model.rope import apply_rope
+
+
+class Indexer(nn.Module):
+    def __init__(self, config: GlmConfig):
+        super().__init__()
+        self.n_heads = config.index_n_heads
+        self.head_dim = config.index_head_dim
+        self.rope_dim = config.qk_rope_head_dim
+        self.index_topk = config.index_topk
+        self.wq_b = nn.Linear(config.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(config.hidden_size, self.head_dim, bias=False)
+        self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
+        self.weights_proj = nn.Linear(config.hidden_size, self.n_heads, bias=False)
+
+    def _rotate_front(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # The indexer keeps its rope dims in front (attention keeps them at the back).
+        rot, rest = x.split([self.rope_dim, self.head_dim - self.rope_dim], dim=-1)
+        return torch.cat([apply_rope(rot, cos, sin), rest], dim=-1)
+
+    def keys(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Indexer keys of new tokens [N, head_dim]; these go to the cache."""
+        return self._rotate_front(self.k_norm(self.wk(hidden)), cos, sin)
+
+    def queries(
+        self, q_resid: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-head queries [N, H, D] and head weights [N, H] (fp32) of new tokens."""
+        q = self.wq_b(q_resid).view(-1, self.n_heads, self.head_dim)
+        q = self._rotate_front(q, cos, sin)
+        weights = self.weights_proj(hidden.to(self.weights_proj.weight.dtype)).float() * self.n_heads**-0.5
+        return q, weights
+
+    def scores(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor):
+        """Index scores [S, T] of S queries over T context keys; later tokens are -inf (causal)."""
+        per_head = torch.matmul(q.float(), keys.float().transpose(0, 1)) * self.head_dim**-0.5  # [S, H, T]
+        per_head = torch.relu(per_head)
+        scores = torch.matmul(weights.unsqueeze(-2), per_head).squeeze(-2)  # [S, T]
+        return scores.masked_fill(causal_mask(positions, keys.shape[0]).logical_not(), float("-inf"))
+
+    def select(self, scores: torch.Tensor) -> torch.Tensor:
+        """Top-k token positions [S, min(index_topk, T)] (int64) of each query."""
+        k = min(self.index_topk, scores.shape[-1])
+        return scores.topk(k, dim=-1).indices
+
+
+def causal_mask(positions: torch.Tensor, context_len: int) -> torch.Tensor:
+    """[S, T] bool: key j is visible to the query at position p iff j <= p."""
+    return torch.arange(context_len, device=positions.device)[None, :] <= positions[:, None]

@@ -1,0 +1,88 @@
+"""Mixture of experts: sigmoid router with correction bias, routed experts grouped by expert, shared expert."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from glmserve.model.config import GlmConfig
+from glmserve.model.mlp import GatedMLP
+
+
+class TopkRouter(nn.Module):
+    """Chooses `num_experts_per_tok` experts per token.
+
+    The bias only steers the choice; the weights come from the plain sigmoid scores. With `n_group` > 1
+    only experts in the `topk_group` best groups (by the sum of each group's two best scores) compete.
+    """
+
+    def __init__(self, config: GlmConfig):
+        super().__init__()
+        self.config = config
+        self.weight = nn.Parameter(torch.zeros(config.n_routed_experts, config.hidden_size))
+        self.register_buffer("e_score_correction_bias", torch.zeros(config.n_routed_experts, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Returns (router logits [N, E], weights [N, k], expert ids [N, k])."""
+        c = self.config
+        logits = F.linear(x.float(), self.weight.float())
+        scores = logits.sigmoid()
+        choice = scores + self.e_score_correction_bias.float()
+        if c.n_group > 1:
+            choice = self._limit_to_best_groups(choice)
+        expert_ids = choice.topk(c.num_experts_per_tok, dim=-1, sorted=False).indices
+        weights = scores.gather(1, expert_ids)
+        if c.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return logits, weights * c.routed_scaling_factor, expert_ids
+
+    def _limit_to_best_groups(self, choice: torch.Tensor) -> torch.Tensor:
+        c = self.config
+        grouped = choice.view(-1, c.n_group, c.n_routed_experts // c.n_group)
+        group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
+        best = group_scores.topk(c.topk_group, dim=-1, sorted=False).indices
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+        return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(-1, c.n_routed_experts)
+
+
+class RoutedExperts(nn.Module):
+    """All routed experts' weights as 3-D tensors; tokens are sorted by expert and run per expert."""
+
+    def __init__(self, config: GlmConfig):
+        super().__init__()
+        e, h, i = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
+        self.down_proj = nn.Parameter(torch.empty(e, h, i))
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+        k = expert_ids.shape[1]
+        flat_experts = expert_ids.reshape(-1)
+        order = flat_experts.argsort(stable=True)
+        token_of = order // k
+        counts = torch.bincount(flat_experts, minlength=self.gate_up_proj.shape[0]).tolist()
+        out = torch.zeros_like(x)
+        start = 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            picks = order[start : start + count]
+            tokens = token_of[start : start + count]
+            start += count
+            gate, up = F.linear(x[tokens], self.gate_up_proj[expert]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.down_proj[expert])
+            y = y * weights.reshape(-1)[picks, None]
+            out.index_add_(0, tokens, y.to(out.dtype))
+        return out
+
+
+class MoE(nn.Module):
+    def __init__(self, config: GlmConfig):
+        super().__init__()
+        self.gate = TopkRouter(config)
+        self.experts = RoutedExperts(config)
+        self.shared_experts = GatedMLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _, weights, expert_ids = self.gate(x)
+        return self.experts(x, weights, expert_ids) + self.shared_experts(x)

@@ -1,0 +1,47 @@
+"""PagedKVCache: the tensor that holds KV blocks, addressed through a KVLayout.
+
+The cache only stores and gathers; which block belongs to whom is the block pool's business.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from glmserve.model.kv_layout import KVLayout, Region
+
+
+class PagedKVCache:
+    def __init__(self, layout: KVLayout, num_blocks: int, device: str | torch.device = "cpu"):
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks: must be >= 1, got {num_blocks}")
+        self.layout = layout
+        self.num_blocks = num_blocks
+        # One row per block: a block is one contiguous region (one transfer descriptor).
+        self.buffer = torch.zeros(num_blocks, layout.values_per_block, dtype=layout.dtype, device=device)
+
+    def _view(self, region: Region) -> torch.Tensor:
+        size = self.layout.block_size * region.width
+        block = self.buffer[:, region.offset : region.offset + size]
+        return block.view(self.num_blocks, self.layout.block_size, region.width)
+
+    def latent_view(self, layer: int) -> torch.Tensor:
+        """[num_blocks, block_size, kv_lora_rank + qk_rope_head_dim] view of one layer."""
+        return self._view(self.layout.latent[layer])
+
+    def index_key_view(self, layer: int) -> torch.Tensor:
+        """[num_blocks, block_size, index_head_dim] view of one full-indexer layer."""
+        return self._view(self.layout.index_keys[layer])
+
+    @staticmethod
+    def write(view: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
+        """Store one row per token; `slots` are block_id * block_size + offset."""
+        block_size = view.shape[1]
+        view[slots // block_size, slots % block_size] = values.to(view.dtype)
+
+    @staticmethod
+    def gather(view: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+        """The first `length` tokens of a sequence, in order: [length, width]."""
+        block_size = view.shape[1]
+        n_blocks = (length + block_size - 1) // block_size
+        rows = view[block_table[:n_blocks]]
+        return rows.reshape(n_blocks * block_size, view.shape[2])[:length]
