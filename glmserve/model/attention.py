@@ -60,11 +60,13 @@ class MLAttention(nn.Module):
         if ctx.cache is not None:
             ctx.cache.write(ctx.cache.latent_view(self.layer_idx), ctx.batch.slots, new_kv)
         if self.indexer is not None:
-            new_keys = self.indexer.keys(x, ctx.cos, ctx.sin)
+            # The indexer learns only from its own distillation loss (DSA), never from the LM loss.
+            x_ix, q_resid_ix = x.detach(), q_resid.detach()
+            new_keys = self.indexer.keys(x_ix, ctx.cos, ctx.sin)
             if ctx.cache is not None:
                 ctx.cache.write(ctx.cache.index_key_view(self.layer_idx), ctx.batch.slots, new_keys)
             if topk_in is None:
-                iq, iw = self.indexer.queries(q_resid, x, ctx.cos, ctx.sin)
+                iq, iw = self.indexer.queries(q_resid_ix, x_ix, ctx.cos, ctx.sin)
         elif topk_in is None:
             raise ValueError(f"layer {self.layer_idx}: a shared-indexer layer needs the top-k of a full layer")
 

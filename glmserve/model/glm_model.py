@@ -109,17 +109,11 @@ class GlmForCausalLM(nn.Module):
         return self.logits(self.final_norm(hidden))
 
     def mtp_step(
-        self,
-        batch: ForwardBatch,
-        prev_hidden: torch.Tensor,
-        cache: PagedKVCache | None = None,
-        topk_in: list[torch.Tensor] | None = None,
-        **flags,
+        self, ctx: ForwardContext, prev_hidden: torch.Tensor, topk_in: list[torch.Tensor] | None = None
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """One MTP step. `batch.input_ids` are the tokens t+1, `batch.positions` the positions t of
-        `prev_hidden` (the main model's normed hidden state, or the previous step's MTP output)."""
-        ctx = self.context(batch, cache, **flags)
-        return self.mtp.step(self.model.embed_tokens(batch.input_ids), prev_hidden, ctx, topk_in)
+        """One MTP step. `ctx.batch.input_ids` are the tokens t+1, `ctx.batch.positions` the positions t
+        of `prev_hidden` (the main model's normed hidden state, or the previous step's MTP output)."""
+        return self.mtp.step(self.model.embed_tokens(ctx.batch.input_ids), prev_hidden, ctx, topk_in)
 
     def mtp_logits(self, mtp_hidden: torch.Tensor) -> torch.Tensor:
         head = self.mtp.shared_head
