@@ -51,9 +51,20 @@ class Indexer(nn.Module):
         return scores.masked_fill(causal_mask(positions, keys.shape[0]).logical_not(), float("-inf"))
 
     def select(self, scores: torch.Tensor) -> torch.Tensor:
-        """Top-k token positions [S, min(index_topk, T)] (int64) of each query."""
+        """Top-k token positions [S, min(index_topk, T)] (int64, ascending) of each query.
+
+        ReLU makes exact ties common (many scores are exactly 0). Ties at the cut are broken towards
+        earlier positions, so the selection never depends on how queries were batched or chunked.
+        """
         k = min(self.index_topk, scores.shape[-1])
-        return scores.topk(k, dim=-1).indices
+        if k == scores.shape[-1]:
+            return torch.arange(k, device=scores.device).expand(scores.shape[0], k)
+        cut = scores.topk(k, dim=-1).values[:, -1:]
+        above = scores > cut
+        tied = scores == cut
+        room = k - above.sum(-1, keepdim=True)
+        chosen = above | (tied & (tied.cumsum(-1) <= room))
+        return chosen.nonzero()[:, 1].view(scores.shape[0], k)
 
 
 def causal_mask(positions: torch.Tensor, context_len: int) -> torch.Tensor:

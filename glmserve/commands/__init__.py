@@ -1,0 +1,1 @@
+"""Implementations of the `glmserve` subcommands (heavy imports stay out of the CLI parser)."""

@@ -1,0 +1,284 @@
+"""Engine: continuous batching of GLM-5 requests over the paged KV pool, with MTP speculative decoding.
+
+One `step()` = schedule, one main-model forward (prefill chunks and decode verification together),
+sample / verify, then MTP drafting for the next step. The engine is synchronous and transport-free;
+services drive it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from glmserve.core.block_hash import CacheKeyRoot
+from glmserve.engine.engine_stats import EngineStats
+from glmserve.engine.kv_cache_manager import KVCacheManager
+from glmserve.engine.model_runner import ModelRunner
+from glmserve.engine.rejection_sampler import verify
+from glmserve.engine.request import Request, RequestStatus
+from glmserve.engine.sampler import Sampler, processed_probs
+from glmserve.engine.sampling_params import SamplingParams
+from glmserve.engine.scheduler import ScheduledWork, Scheduler, SchedulerConfig
+from glmserve.engine.spec_policy import SpecPolicy
+from glmserve.kv.block_pool import BlockPool
+from glmserve.model.glm_model import GlmForCausalLM
+from glmserve.model.kv_layout import LAYOUT_VERSION, KVLayout
+from glmserve.model.loader import load_model
+from glmserve.model.paged_cache import PagedKVCache
+from glmserve.model.revision import model_revision
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    block_size: int = 64
+    kv_cache_bytes: int = 256 * 2**20
+    max_num_seqs: int = 64
+    max_step_tokens: int = 2048
+    mtp: str | int = "auto"  # "auto" (adaptive k), "off", or a fixed number of drafts
+    max_drafts: int = 3
+    prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.mtp not in ("auto", "off") and not (isinstance(self.mtp, int) and self.mtp >= 0):
+            raise ValueError(f"mtp: {self.mtp!r} is not 'auto', 'off' or a number of drafts >= 0")
+        if self.kv_cache_bytes <= 0:
+            raise ValueError("kv_cache_bytes: must be > 0")
+
+
+@dataclass
+class StepOutput:
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None
+    new_logprobs: list[float] = field(default_factory=list)
+
+
+class Engine:
+    def __init__(self, model: GlmForCausalLM, config: EngineConfig = EngineConfig(), revision: str = ""):
+        self.model = model
+        self.config = config
+        self.eos_ids = tuple(model.config.eos_token_ids)
+        use_mtp = model.has_mtp and config.mtp != "off"
+        layout = KVLayout.for_config(model.config, config.block_size, dtype=model.dtype, with_mtp=use_mtp)
+        num_blocks = config.kv_cache_bytes // layout.bytes_per_block
+        if num_blocks < 2:
+            raise ValueError(f"kv_cache_bytes: {config.kv_cache_bytes} B holds fewer than 2 blocks")
+        log.info("%s; %d blocks (%d tokens)", layout.describe(), num_blocks, num_blocks * config.block_size)
+        self.cache = PagedKVCache(layout, num_blocks)
+        self.pool = BlockPool(num_blocks)
+        root = None
+        if config.prefix_caching:
+            key = CacheKeyRoot(revision or "unversioned", "engine-token-ids", str(model.dtype), config.block_size, LAYOUT_VERSION)
+            root = key.root_hash()
+        self.kv = KVCacheManager(self.pool, config.block_size, root)
+        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_step_tokens), self.kv)
+        self.runner = ModelRunner(model, self.cache)
+        self.sampler = Sampler()
+        max_drafts = 0 if not use_mtp else (config.max_drafts if config.mtp == "auto" else int(config.mtp))
+        self.policy = SpecPolicy(max_drafts)
+        self.fixed_drafts = None if config.mtp == "auto" else max_drafts
+        self.use_mtp = use_mtp
+        self.requests: dict[str, Request] = {}
+        self.stats = EngineStats()
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | Path, dtype: torch.dtype = torch.float32, **config) -> Engine:
+        model = load_model(model_dir, dtype=dtype)
+        return cls(model, EngineConfig(**config), revision=model_revision(model_dir))
+
+    # --- requests -------------------------------------------------------------------------------
+
+    def add_request(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, priority: int = 0
+    ) -> Request:
+        if request_id in self.requests:
+            raise ValueError(f"request_id: {request_id!r} is already running")
+        if len(prompt_ids) + params.max_tokens > self.model.config.max_position_embeddings:
+            raise ValueError("prompt_ids: prompt plus max_tokens exceeds max_position_embeddings")
+        bad = [t for t in prompt_ids if not 0 <= t < self.model.config.vocab_size]
+        if bad:
+            raise ValueError(f"prompt_ids: token ids out of range: {bad[:5]}")
+        req = Request(request_id, list(prompt_ids), params, priority=priority)
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+        return req
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request now; its blocks are free when this returns."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return False
+        self.scheduler.remove(req)
+        req.status, req.finish_reason = RequestStatus.FINISHED, "abort"
+        self.stats.aborts += 1
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # --- one step -------------------------------------------------------------------------------
+
+    def step(self) -> list[StepOutput]:
+        work = self.scheduler.schedule()
+        if not work:
+            return []
+        self.stats.steps += 1
+        t0 = time.perf_counter()
+        main = self.runner.run_main(work)
+        self.policy.main_cost.add(sum(w.num_new for w in work), time.perf_counter() - t0)
+        outputs, to_draft = [], []
+        for i, w in enumerate(work):
+            req, start = w.request, w.request.num_computed
+            new_tokens = self._advance(w, main.logits[i])
+            out = self._emit(req, new_tokens, main.logits[i])
+            outputs.append(out)
+            if req.is_finished:
+                continue
+            self.kv.commit_full_blocks(req)
+            if self.use_mtp:
+                to_draft.append((req, start, main.hidden[i], w.is_decode))
+        if to_draft:
+            self._draft(to_draft)
+        self.stats.preemptions = self.scheduler.num_preemptions
+        return outputs
+
+    def _advance(self, w: ScheduledWork, logits: torch.Tensor | None) -> list[int]:
+        """Move the request past this step's forward; returns the tokens it gained."""
+        req = w.request
+        if not w.is_decode:
+            req.num_computed += w.num_new
+            self.stats.prompt_tokens += w.num_new
+            if logits is None:
+                return []
+            self.stats.cached_prompt_tokens += req.num_cached_prompt
+            sample = self.sampler.sample(logits, [req.params], [req.generator])
+            return [int(sample.token_ids[0])]
+        drafts = req.drafts
+        probs = None if req.draft_probs is None else req.draft_probs.unsqueeze(0)
+        result = verify(
+            torch.tensor([drafts], dtype=torch.int64).view(1, len(drafts)), probs, logits.unsqueeze(0),
+            [req.params], [req.generator],
+        )
+        tokens = list(result.accepted[0])
+        req.num_computed += len(tokens)  # the pending token and the accepted drafts now have KV
+        req.drafts, req.draft_probs = [], None
+        if drafts:
+            self.stats.draft_tokens += len(drafts)
+            self.stats.accepted_tokens += len(tokens) - 1
+            self.policy.record_acceptance(len(drafts), len(tokens) - 1)
+        self.stats.acceptance_lengths[len(tokens)] += 1
+        self.kv.trim(req, req.num_computed + 1)
+        return tokens
+
+    def _emit(self, req: Request, tokens: list[int], logits: torch.Tensor | None) -> StepOutput:
+        """Append tokens up to the first stop; finish the request when it is done."""
+        kept, reason = [], None
+        stop_ids = set(req.params.stop_token_ids) | (set() if req.params.ignore_eos else set(self.eos_ids))
+        for token in tokens:
+            kept.append(token)
+            if token in stop_ids:
+                reason = "stop"
+                break
+            if len(req.output_ids) + len(kept) >= req.params.max_tokens:
+                reason = "length"
+                break
+        if kept and req.first_token_time is None:
+            req.first_token_time = time.monotonic()
+        logprobs = self._logprobs(req, kept, logits)
+        req.output_ids.extend(kept)
+        req.output_logprobs.extend(logprobs)
+        self.stats.generated_tokens += len(kept)
+        if reason is not None:
+            self._finish(req, reason)
+        return StepOutput(req.request_id, kept, reason is not None, reason, logprobs)
+
+    def _logprobs(self, req: Request, tokens: list[int], logits: torch.Tensor | None) -> list[float]:
+        if req.params.logprobs is None or not tokens:
+            return []
+        if logits is None:
+            return []
+        rows = torch.log_softmax(logits[: len(tokens)].float(), dim=-1)
+        return [float(rows[i, t]) for i, t in enumerate(tokens)]
+
+    def _finish(self, req: Request, reason: str) -> None:
+        self.scheduler.remove(req)
+        self.requests.pop(req.request_id, None)
+        req.status, req.finish_reason = RequestStatus.FINISHED, reason
+
+    # --- MTP drafting ---------------------------------------------------------------------------
+
+    def _draft(self, items: list[tuple[Request, int, torch.Tensor, bool]]) -> None:
+        """Bring each request's MTP KV up to date with this step's hidden states, then draft.
+
+        Prompt positions always get MTP KV (later drafts attend to them); decode steps skip the MTP
+        when no drafts are wanted, which leaves a gap that only lowers later acceptance."""
+        decoding = [r for r, _, _, _ in items if not r.in_prefill]
+        k = self.fixed_drafts if self.fixed_drafts is not None else self.policy.choose(len(decoding))
+        reqs, starts, hidden, next_tokens = [], [], [], []
+        for req, start, rows, was_decode in items:
+            if was_decode and k == 0:
+                continue
+            first = max(req.mtp_synced, start)
+            tokens = req.token_ids
+            reqs.append(req)
+            starts.append(first)
+            hidden.append(rows[first - start : req.num_computed - start])
+            next_tokens.append(tokens[first + 1 : req.num_computed + 1])
+            req.mtp_synced = req.num_computed
+        if not reqs:
+            return
+        t0 = time.perf_counter()
+        result = self.runner.run_mtp(reqs, starts, hidden, next_tokens)
+        self.policy.mtp_cost.add(sum(len(t) for t in next_tokens), time.perf_counter() - t0)
+        if k == 0:
+            return
+        picks = [i for i, r in enumerate(reqs) if not r.in_prefill and self.kv.ensure(r, r.num_computed + k + 1)]
+        self._draft_steps([reqs[i] for i in picks], result.hidden[picks], result.logits[picks],
+                          [result.topk[i] for i in picks], k)
+
+    def _draft_steps(self, reqs, hidden, logits, topk, k: int) -> None:
+        if not reqs:
+            return
+        for j in range(k):
+            for i, req in enumerate(reqs):
+                token, q = self._propose(req, logits[i])
+                req.drafts.append(token)
+                if q is not None:
+                    req.draft_probs = q[None] if req.draft_probs is None else torch.cat([req.draft_probs, q[None]])
+            if j == k - 1:
+                return
+            positions = [r.num_computed + j for r in reqs]
+            shared = None
+            if self.model.config.index_share_for_mtp_iteration:
+                shared = [torch.cat([t, torch.arange(r.num_computed, p + 1).unsqueeze(0)], dim=1)
+                          for t, r, p in zip(topk, reqs, positions, strict=True)]
+            t0 = time.perf_counter()
+            result = self.runner.run_mtp(reqs, positions, list(hidden.split(1)), [[r.drafts[-1]] for r in reqs], shared)
+            self.policy.mtp_cost.add(len(reqs), time.perf_counter() - t0)
+            hidden, logits = result.hidden, result.logits
+            if not self.model.config.index_share_for_mtp_iteration:
+                topk = result.topk
+
+    def _propose(self, req: Request, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
+        if req.params.is_greedy:
+            return int(logits.argmax()), None
+        q = processed_probs(logits[None], [req.params])[0]
+        return int(torch.multinomial(q, 1, generator=req.generator)), q
+
+    # --- convenience ----------------------------------------------------------------------------
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Request]:
+        """Run prompts to completion (all batched together); returns the finished requests in order."""
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        base = self.stats.steps
+        reqs = [self.add_request(f"gen-{base}-{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params, strict=True))]
+        while self.has_unfinished():
+            self.step()
+        return reqs

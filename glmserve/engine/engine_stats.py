@@ -1,0 +1,29 @@
+"""EngineStats: counters the engine keeps, read by metrics exporters and benchmarks."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    generated_tokens: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    preemptions: int = 0
+    aborts: int = 0
+    # Tokens a decoding request gained per verify step (1 + accepted drafts) -> number of such steps.
+    acceptance_lengths: Counter = field(default_factory=Counter)
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        steps = sum(self.acceptance_lengths.values())
+        return sum(k * v for k, v in self.acceptance_lengths.items()) / steps if steps else 0.0
+
+    @property
+    def draft_acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0

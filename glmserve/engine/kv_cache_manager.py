@@ -1,0 +1,75 @@
+"""KVCacheManager: which blocks each request holds, prefix reuse through block hashes.
+
+Plain Python over the BlockPool. A request's blocks cover its positions in order; only full blocks
+whose every token has been computed are committed (hashed) so that later requests can reuse them.
+"""
+
+from __future__ import annotations
+
+from glmserve.core.block_hash import block_hashes, reusable_blocks
+from glmserve.engine.request import Request
+from glmserve.kv.block_pool import BlockPool, OutOfBlocks
+
+
+class KVCacheManager:
+    def __init__(self, pool: BlockPool, block_size: int, root_hash: bytes | None):
+        """`root_hash` None turns prefix caching off (nothing committed, nothing looked up)."""
+        self.pool = pool
+        self.block_size = block_size
+        self.root_hash = root_hash
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def match_prefix(self, req: Request) -> None:
+        """Attach the longest cached prefix of the prompt (never its last token) to a new request."""
+        if self.root_hash is None or req.block_ids:
+            return
+        n = reusable_blocks(len(req.prompt_ids), self.block_size)
+        hashes = block_hashes(self.root_hash, req.prompt_ids[: n * self.block_size], self.block_size)
+        hits = self.pool.lookup(hashes)
+        if hits:
+            self.pool.acquire(hits)
+        req.block_ids = list(hits)
+        req.block_hashes = hashes[: len(hits)]
+        req.num_computed = req.mtp_synced = req.num_cached_prompt = len(hits) * self.block_size
+
+    def ensure(self, req: Request, num_tokens: int) -> bool:
+        """Grow the request's blocks to hold `num_tokens` positions; False (nothing changed) if full."""
+        missing = self.blocks_for(num_tokens) - len(req.block_ids)
+        if missing <= 0:
+            return True
+        try:
+            req.block_ids.extend(self.pool.allocate(missing))
+        except OutOfBlocks:
+            return False
+        return True
+
+    def trim(self, req: Request, num_tokens: int) -> None:
+        """Give back blocks beyond what `num_tokens` positions need (e.g. after rejected drafts)."""
+        keep = max(self.blocks_for(num_tokens), len(req.block_hashes))
+        if len(req.block_ids) > keep:
+            extra = req.block_ids[keep:]
+            del req.block_ids[keep:]
+            self.pool.release(extra[::-1])
+
+    def commit_full_blocks(self, req: Request) -> None:
+        """Hash and publish every block whose tokens are all computed."""
+        if self.root_hash is None:
+            return
+        full = req.num_computed // self.block_size
+        tokens = req.token_ids
+        while len(req.block_hashes) < full:
+            i = len(req.block_hashes)
+            prev = req.block_hashes[-1] if req.block_hashes else self.root_hash
+            block = tokens[i * self.block_size : (i + 1) * self.block_size]
+            (digest,) = block_hashes(prev, block, self.block_size)
+            self.pool.commit(req.block_ids[i], digest)
+            req.block_hashes.append(digest)
+
+    def free(self, req: Request) -> None:
+        """Release everything the request holds; tail first so its prefix is evicted last."""
+        if req.block_ids:
+            self.pool.release(req.block_ids[::-1])
+        req.block_ids = []
+        req.block_hashes = []

@@ -1,0 +1,83 @@
+"""ModelRunner: turns scheduled work into forward passes of the main model and of the MTP layer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from glmserve.engine.request import Request
+from glmserve.engine.scheduler import ScheduledWork
+from glmserve.model.forward_batch import ForwardBatch
+from glmserve.model.glm_model import GlmForCausalLM
+from glmserve.model.paged_cache import PagedKVCache
+
+
+@dataclass
+class MainResult:
+    hidden: list[torch.Tensor]  # per work item: normed hidden states [num_new, H]
+    logits: list[torch.Tensor | None]  # per work item: [rows, V] (decode: all rows; final prefill: last row)
+
+
+@dataclass
+class MtpResult:
+    hidden: torch.Tensor  # [B, H] MTP output at each item's last position
+    logits: torch.Tensor  # [B, V] draft logits of the token after the item's last input token
+    topk: list[torch.Tensor]  # per item: [1, k] top-k the MTP indexer chose for the last position
+
+
+class ModelRunner:
+    def __init__(self, model: GlmForCausalLM, cache: PagedKVCache):
+        self.model = model
+        self.cache = cache
+        self.block_size = cache.layout.block_size
+
+    def _batch(self, tokens: list[list[int]], starts: list[int], reqs: list[Request]) -> ForwardBatch:
+        return ForwardBatch.build(tokens, starts, [r.block_ids for r in reqs], self.block_size)
+
+    @torch.inference_mode()
+    def run_main(self, work: list[ScheduledWork]) -> MainResult:
+        tokens, starts, reqs = [], [], []
+        for w in work:
+            r = w.request
+            if w.is_decode:
+                tokens.append([r.token_ids[-1], *r.drafts][: w.num_new])
+            else:
+                tokens.append(r.token_ids[r.num_computed : r.num_computed + w.num_new])
+            starts.append(r.num_computed)
+            reqs.append(r)
+        batch = self._batch(tokens, starts, reqs)
+        hidden, _ = self.model(self.model.context(batch, self.cache))
+        normed = self.model.final_norm(hidden)
+        per_item = list(normed.split([len(t) for t in tokens]))
+        rows, owners = [], []
+        for i, w in enumerate(work):
+            r = w.request
+            if w.is_decode:
+                rows.append(per_item[i])
+                owners.append(i)
+            elif r.num_computed + w.num_new == len(r.prompt_ids) and not r.output_ids:
+                rows.append(per_item[i][-1:])
+                owners.append(i)
+        logits: list[torch.Tensor | None] = [None] * len(work)
+        if rows:
+            for i, chunk in zip(owners, self.model.logits(torch.cat(rows)).split([len(x) for x in rows]), strict=True):
+                logits[i] = chunk.float()
+        return MainResult(per_item, logits)
+
+    @torch.inference_mode()
+    def run_mtp(
+        self,
+        reqs: list[Request],
+        starts: list[int],
+        hidden: list[torch.Tensor],
+        next_tokens: list[list[int]],
+        topk_in: list[torch.Tensor] | None = None,
+    ) -> MtpResult:
+        """MTP over positions starts[i] .. starts[i] + len(next_tokens[i]) - 1 of each request: the
+        inputs are the hidden state at each position and the token after it."""
+        batch = self._batch(next_tokens, starts, reqs)
+        out, topk = self.model.mtp_step(self.model.context(batch, self.cache), torch.cat(hidden), topk_in)
+        ends = torch.tensor([len(t) for t in next_tokens]).cumsum(0) - 1
+        last = out[ends]
+        return MtpResult(last, self.model.mtp_logits(last).float(), [k[-1:] for k in topk])

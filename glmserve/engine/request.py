@@ -1,0 +1,72 @@
+"""Request: one generation request as the engine tracks it, from arrival to finish."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from glmserve.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    """Token bookkeeping, in positions of the sequence prompt + output.
+
+    - `num_computed`: tokens whose main-model KV is in the request's blocks (positions 0..n-1).
+    - In decode, the last token of `token_ids` is pending: sampled, not yet run through the model.
+    - `mtp_synced`: positions whose MTP-layer KV was computed from the main model's hidden states.
+    - `drafts` / `draft_probs`: MTP proposals for the tokens after the pending one, verified next step.
+    """
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    priority: int = 0
+    arrival: float = field(default_factory=time.monotonic)
+    status: RequestStatus = RequestStatus.WAITING
+    output_ids: list[int] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)  # of the leading full blocks, in order
+    num_computed: int = 0
+    num_cached_prompt: int = 0  # prompt tokens found in the prefix cache at admission
+    mtp_synced: int = 0
+    drafts: list[int] = field(default_factory=list)
+    draft_probs: torch.Tensor | None = None
+    generator: torch.Generator | None = None
+    finish_reason: str | None = None
+    output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    first_token_time: float | None = None
+    num_preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.prompt_ids:
+            raise ValueError("prompt_ids: a request needs at least one prompt token")
+        if self.params.seed is not None:
+            self.generator = torch.Generator().manual_seed(self.params.seed)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def in_prefill(self) -> bool:
+        """Tokens other than the pending one still need the main model."""
+        return self.num_computed < self.num_tokens - (1 if self.output_ids else 0)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED

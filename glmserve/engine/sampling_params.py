@@ -1,0 +1,104 @@
+"""SamplingParams: how one request turns logits into tokens and when it stops.
+
+Torch-free on purpose: the router builds and validates these from an OpenAI request body, and the
+engine consumes them. Every invalid value raises ``ValueError`` whose message starts with the field
+name, so the router can answer a 400 naming the parameter.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+# Below this temperature we take the argmax: dividing logits by it would overflow float32.
+GREEDY_TEMPERATURE = 1e-5
+MAX_STOP_STRINGS = 16
+MAX_LOGPROBS = 20
+# The range torch.Generator.manual_seed accepts.
+_SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling and stopping settings (immutable, validated on construction).
+
+    - ``max_tokens``: generated tokens at most (>= 1); reaching it finishes with "length".
+    - ``temperature``: >= 0; 0 (anything below ``GREEDY_TEMPERATURE``) means greedy argmax.
+    - ``top_p``: nucleus sampling, 0 < top_p <= 1 (1 = off).
+    - ``top_k``: keep the k most likely tokens; -1 or 0 = off.
+    - ``seed``: makes sampling reproducible (a per-request generator); None = engine default.
+    - ``stop_token_ids``: token ids that finish generation with "stop" (even with ``ignore_eos``).
+    - ``stop``: up to 16 non-empty stop strings; output is cut before the first one (a single
+      string is accepted and wrapped).
+    - ``ignore_eos``: keep generating past the model's eos token(s).
+    - ``logprobs``: number of top logprobs to return per token (0..20); None = none.
+
+    Sequences (lists) are stored as tuples so the object stays hashable.
+    """
+
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        # Normalise list inputs to tuples before validating (frozen: bypass __setattr__).
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        for name in ("stop", "stop_token_ids"):
+            value = getattr(self, name)
+            if isinstance(value, list):
+                object.__setattr__(self, name, tuple(value))
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ``ValueError("<field>: ...")`` for the first invalid field."""
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens: must be an int >= 1, got {self.max_tokens!r}")
+        if not _is_real(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature: must be a finite number >= 0, got {self.temperature!r}")
+        if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p: must be in (0, 1], got {self.top_p!r}")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise ValueError(f"top_k: must be -1 or 0 (off) or an int >= 1, got {self.top_k!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not _SEED_MIN <= self.seed <= _SEED_MAX):
+            raise ValueError(f"seed: must be None or an int in [-2**63, 2**64), got {self.seed!r}")
+        if not isinstance(self.stop_token_ids, tuple) or not all(
+            _is_int(t) and t >= 0 for t in self.stop_token_ids
+        ):
+            raise ValueError(f"stop_token_ids: must be a sequence of ints >= 0, got {self.stop_token_ids!r}")
+        if not isinstance(self.stop, tuple) or not all(isinstance(s, str) for s in self.stop):
+            raise ValueError(f"stop: must be a string or a sequence of strings, got {self.stop!r}")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
+        if any(s == "" for s in self.stop):
+            raise ValueError("stop: stop strings must not be empty")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos: must be a bool, got {self.ignore_eos!r}")
+        if self.logprobs is not None and (
+            not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
+            raise ValueError(f"logprobs: must be None or an int in 0..{MAX_LOGPROBS}, got {self.logprobs!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        """Argmax decoding: temperature ~0, or top_k 1 (which leaves only the argmax anyway)."""
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
+
+    @property
+    def top_k_enabled(self) -> bool:
+        return self.top_k >= 1

@@ -1,0 +1,118 @@
+"""The engine's outputs equal plain greedy decoding whatever the batching, drafting, caching or pressure."""
+
+from __future__ import annotations
+
+import pytest
+from engine_fixtures import prompts, random_model
+
+from glmserve.engine.engine import Engine, EngineConfig
+from glmserve.engine.sampling_params import SamplingParams
+from glmserve.model.greedy import greedy_generate
+
+MAX_NEW = 24
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_model()
+
+
+@pytest.fixture(scope="module")
+def oracle(model):
+    cache = {}
+
+    def run(prompt):
+        key = tuple(prompt)
+        if key not in cache:
+            cache[key] = greedy_generate(model, prompt, MAX_NEW, stop_ids=model.config.eos_token_ids, block_size=16)
+        return cache[key]
+
+    return run
+
+
+def _engine(model, **overrides) -> Engine:
+    config = dict(block_size=16, kv_cache_bytes=4 * 2**20, max_step_tokens=256)
+    return Engine(model, EngineConfig(**{**config, **overrides}))
+
+
+def _check_pool(engine: Engine) -> None:
+    engine.pool.check_integrity()
+    assert engine.pool.num_used == 0
+
+
+@pytest.mark.parametrize("mtp", ["off", 1, 3, "auto"])
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_greedy_equals_plain_greedy(model, oracle, mtp, batch):
+    engine = _engine(model, mtp=mtp)
+    ps = prompts(batch, seed=batch)
+    reqs = engine.generate(ps, SamplingParams(max_tokens=MAX_NEW, temperature=0.0))
+    for p, r in zip(ps, reqs, strict=True):
+        assert r.output_ids == oracle(p)
+    if mtp not in ("off",):
+        assert engine.stats.draft_tokens > 0
+    _check_pool(engine)
+
+
+def test_chunked_prefill_and_prefix_reuse(model, oracle):
+    engine = _engine(model, mtp=2, max_step_tokens=20)
+    ps = prompts(4, seed=11, min_len=40, max_len=100)
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0)
+    first = engine.generate(ps, params)
+    assert engine.stats.cached_prompt_tokens == 0
+    again = engine.generate(ps, params)
+    assert engine.stats.cached_prompt_tokens > 0
+    for p, a, b in zip(ps, first, again, strict=True):
+        assert a.output_ids == b.output_ids == oracle(p)
+    _check_pool(engine)
+
+
+def test_preemption_under_block_pressure(model, oracle):
+    engine = _engine(model, mtp=2, kv_cache_bytes=12 * engine_block_bytes(model), max_num_seqs=8)
+    ps = prompts(6, seed=5, min_len=20, max_len=60)
+    reqs = engine.generate(ps, SamplingParams(max_tokens=MAX_NEW, temperature=0.0))
+    assert engine.stats.preemptions > 0
+    for p, r in zip(ps, reqs, strict=True):
+        assert r.output_ids == oracle(p)
+    _check_pool(engine)
+
+
+def engine_block_bytes(model) -> int:
+    return _engine(model, mtp=1).cache.layout.bytes_per_block
+
+
+@pytest.mark.parametrize("abort_after", [0, 1, 2, 5, 9])
+def test_abort_at_any_step_frees_everything(model, oracle, abort_after):
+    engine = _engine(model, mtp=2, max_step_tokens=32)
+    ps = prompts(5, seed=abort_after)
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0)
+    reqs = [engine.add_request(f"r{i}", p, params) for i, p in enumerate(ps)]
+    for _ in range(abort_after):
+        engine.step()
+    assert engine.abort("r1") and engine.abort("r3")
+    assert not engine.abort("r3")
+    while engine.has_unfinished():
+        engine.step()
+    for i in (0, 2, 4):
+        assert reqs[i].output_ids == oracle(ps[i])
+    assert reqs[1].finish_reason == "abort"
+    _check_pool(engine)
+
+
+def test_seeded_sampling_is_reproducible(model):
+    ps = prompts(3, seed=3)
+    params = [SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, seed=s) for s in (1, 2, 3)]
+    a = _engine(model, mtp=2).generate(ps, params)
+    b = _engine(model, mtp=2).generate(ps, params)
+    assert [r.output_ids for r in a] == [r.output_ids for r in b]
+
+
+def test_bad_requests_change_nothing(model):
+    engine = _engine(model)
+    with pytest.raises(ValueError, match="prompt_ids"):
+        engine.add_request("x", [5, 10_000], SamplingParams())
+    with pytest.raises(ValueError, match="prompt_ids"):
+        engine.add_request("y", [], SamplingParams())
+    engine.add_request("z", [5, 6], SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="request_id"):
+        engine.add_request("z", [5, 6], SamplingParams())
+    assert list(engine.requests) == ["z"]
