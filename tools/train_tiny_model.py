@@ -33,6 +33,7 @@ from glmserve.model.config import GlmConfig  # noqa: E402
 from glmserve.model.forward_batch import ForwardBatch  # noqa: E402
 from glmserve.model.glm_model import GlmForCausalLM, init_random, with_input_ids  # noqa: E402
 from glmserve.model.greedy import greedy_generate  # noqa: E402
+from glmserve.model.loader import load_model  # noqa: E402
 from glmserve.model.moe import TopkRouter  # noqa: E402
 from glmserve.model.saver import save_model  # noqa: E402
 from glmserve.text.special_tokens import ASSISTANT, EOS_TOKENS, SPECIAL_TOKENS  # noqa: E402
@@ -288,15 +289,22 @@ def main(argv: list[str] | None = None) -> None:
     init_random(model, std=TINY_CONFIG["initializer_range"], generator=torch.Generator().manual_seed(args.seed))
     log(f"parameters: {sum(p.numel() for p in model.parameters()):,}")
     history = train(model, streams, [1 - CHAT_SHARE, CHAT_SHARE], args.steps, args.lr, args.seed)
-    model.eval()
-    metrics = evaluate(model, heldout)
-    metrics["tool_call_rate"] = evaluate_tool_calls(model, tok, list(config.eos_token_ids))
-    metrics["wall_time_s"] = round(time.time() - t0, 1)
-    metrics["steps"] = args.steps
-    metrics["tokens_seen"] = args.steps * BATCH * SEQ_LEN
-    save_model(model, args.out)
+    metrics = finalize(model, args.out, tok, heldout)
+    metrics.update(wall_time_s=round(time.time() - t0, 1), steps=args.steps, tokens_seen=args.steps * BATCH * SEQ_LEN)
     (args.out / "training_log.json").write_text(json.dumps({"metrics": metrics, "history": history}, indent=1))
     log(json.dumps(metrics))
+
+
+def finalize(model: GlmForCausalLM, out: Path, tok, heldout: torch.Tensor) -> dict:
+    """Store the weights in bfloat16 (what fits the 50 MB budget) and evaluate what users will load."""
+    save_model(model, out, dtype=torch.bfloat16)
+    config = json.loads((out / "config.json").read_text())
+    config["torch_dtype"] = "bfloat16"
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    shipped = load_model(out)
+    metrics = evaluate(shipped, heldout)
+    metrics["tool_call_rate"] = evaluate_tool_calls(shipped, tok, list(shipped.config.eos_token_ids))
+    return metrics
 
 
 if __name__ == "__main__":

@@ -24,12 +24,15 @@ from glmserve.engine.sampler import Sampler, processed_probs
 from glmserve.engine.sampling_params import SamplingParams
 from glmserve.engine.scheduler import ScheduledWork, Scheduler, SchedulerConfig
 from glmserve.engine.spec_policy import SpecPolicy
+from glmserve.engine.stop_checker import StopChecker
 from glmserve.kv.block_pool import BlockPool
 from glmserve.model.glm_model import GlmForCausalLM
 from glmserve.model.kv_layout import LAYOUT_VERSION, KVLayout
 from glmserve.model.loader import load_model
 from glmserve.model.paged_cache import PagedKVCache
 from glmserve.model.revision import model_revision
+from glmserve.text.detokenizer import IncrementalDetokenizer
+from glmserve.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -58,11 +61,19 @@ class StepOutput:
     finished: bool
     finish_reason: str | None = None
     new_logprobs: list[float] = field(default_factory=list)
+    text_delta: str = ""  # only when the engine has a tokenizer; held back while a stop string may start
 
 
 class Engine:
-    def __init__(self, model: GlmForCausalLM, config: EngineConfig = EngineConfig(), revision: str = ""):
+    def __init__(
+        self,
+        model: GlmForCausalLM,
+        config: EngineConfig = EngineConfig(),
+        revision: str = "",
+        tokenizer: Tokenizer | None = None,
+    ):
         self.model = model
+        self.tokenizer = tokenizer
         self.config = config
         self.eos_ids = tuple(model.config.eos_token_ids)
         use_mtp = model.has_mtp and config.mtp != "off"
@@ -91,7 +102,8 @@ class Engine:
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, dtype: torch.dtype = torch.float32, **config) -> Engine:
         model = load_model(model_dir, dtype=dtype)
-        return cls(model, EngineConfig(**config), revision=model_revision(model_dir))
+        tokenizer = Tokenizer.from_dir(model_dir)
+        return cls(model, EngineConfig(**config), revision=model_revision(model_dir), tokenizer=tokenizer)
 
     # --- requests -------------------------------------------------------------------------------
 
@@ -105,7 +117,12 @@ class Engine:
         bad = [t for t in prompt_ids if not 0 <= t < self.model.config.vocab_size]
         if bad:
             raise ValueError(f"prompt_ids: token ids out of range: {bad[:5]}")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop: stop strings need an engine with a tokenizer")
         req = Request(request_id, list(prompt_ids), params, priority=priority)
+        req.stop_checker = StopChecker(params, self.eos_ids)
+        if self.tokenizer is not None:
+            req.detokenizer = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=True)
         self.requests[request_id] = req
         self.scheduler.add(req)
         return req
@@ -179,25 +196,35 @@ class Engine:
 
     def _emit(self, req: Request, tokens: list[int], logits: torch.Tensor | None) -> StepOutput:
         """Append tokens up to the first stop; finish the request when it is done."""
-        kept, reason = [], None
-        stop_ids = set(req.params.stop_token_ids) | (set() if req.params.ignore_eos else set(self.eos_ids))
-        for token in tokens:
-            kept.append(token)
-            if token in stop_ids:
-                reason = "stop"
-                break
-            if len(req.output_ids) + len(kept) >= req.params.max_tokens:
-                reason = "length"
-                break
+        check = req.stop_checker.check_tokens(tokens) if tokens else None
+        kept = tokens[: check.num_kept] if check else []
         if kept and req.first_token_time is None:
             req.first_token_time = time.monotonic()
         logprobs = self._logprobs(req, kept, logits)
         req.output_ids.extend(kept)
         req.output_logprobs.extend(logprobs)
         self.stats.generated_tokens += len(kept)
+        text_delta = self._text(req, kept[: check.num_visible] if check else [])
+        reason = req.stop_checker.finish_reason
         if reason is not None:
             self._finish(req, reason)
-        return StepOutput(req.request_id, kept, reason is not None, reason, logprobs)
+        return StepOutput(req.request_id, kept, reason is not None, reason, logprobs, text_delta)
+
+    def _text(self, req: Request, visible: list[int]) -> str:
+        """New text safe to stream; stop strings end the request and cut the text before them."""
+        if req.detokenizer is None:
+            return ""
+        req.text += req.detokenizer.push(visible)
+        if req.stop_checker.finished:
+            req.text += req.detokenizer.finish()
+        end = len(req.text)
+        if req.params.stop:
+            result = req.stop_checker.check_text(req.text)
+            req.text = req.text[: result.text_end]
+            end = result.stream_end
+        delta = req.text[req.num_streamed_chars : end]
+        req.num_streamed_chars = max(req.num_streamed_chars, end)
+        return delta
 
     def _logprobs(self, req: Request, tokens: list[int], logits: torch.Tensor | None) -> list[float]:
         if req.params.logprobs is None or not tokens:

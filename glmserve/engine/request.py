@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 import torch
 
 from glmserve.engine.sampling_params import SamplingParams
+from glmserve.engine.stop_checker import StopChecker
+from glmserve.text.detokenizer import IncrementalDetokenizer
 
 
 class RequestStatus(enum.Enum):
@@ -47,6 +49,10 @@ class Request:
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     first_token_time: float | None = None
     num_preemptions: int = 0
+    stop_checker: StopChecker | None = None
+    detokenizer: IncrementalDetokenizer | None = None  # set when the engine produces text
+    text: str = ""  # visible text so far (stop strings cut it)
+    num_streamed_chars: int = 0
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:

@@ -14,12 +14,18 @@ from safetensors.torch import save_file
 
 from glmserve.model.checkpoint import INDEX_FILE, SINGLE_FILE
 from glmserve.model.glm_model import GlmForCausalLM
+from glmserve.model.loader import FP32_SUFFIXES
 
 
-def checkpoint_tensors(model: GlmForCausalLM, fused_experts: bool = False) -> dict[str, torch.Tensor]:
+def checkpoint_tensors(
+    model: GlmForCausalLM, fused_experts: bool = False, dtype: torch.dtype | None = None
+) -> dict[str, torch.Tensor]:
+    """Checkpoint names -> tensors; `dtype` casts all but the tensors the reference keeps in fp32."""
     out: dict[str, torch.Tensor] = {}
     for name, tensor in model.state_dict().items():
         tensor = tensor.detach().contiguous()
+        if dtype is not None and not name.endswith(FP32_SUFFIXES):
+            tensor = tensor.to(dtype)
         if fused_experts or not name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
             out[name] = tensor
             continue
@@ -35,12 +41,16 @@ def checkpoint_tensors(model: GlmForCausalLM, fused_experts: bool = False) -> di
 
 
 def save_model(
-    model: GlmForCausalLM, model_dir: str | Path, fused_experts: bool = False, max_shard_bytes: int | None = None
+    model: GlmForCausalLM,
+    model_dir: str | Path,
+    fused_experts: bool = False,
+    max_shard_bytes: int | None = None,
+    dtype: torch.dtype | None = None,
 ) -> None:
     """Weights only (config.json is the caller's); sharded with an index when max_shard_bytes is given."""
     model_dir = Path(model_dir)
     model_dir.mkdir(parents=True, exist_ok=True)
-    tensors = checkpoint_tensors(model, fused_experts)
+    tensors = checkpoint_tensors(model, fused_experts, dtype)
     if max_shard_bytes is None:
         save_file(tensors, model_dir / SINGLE_FILE, metadata={"format": "pt"})
         return

@@ -116,3 +116,29 @@ def test_bad_requests_change_nothing(model):
     with pytest.raises(ValueError, match="request_id"):
         engine.add_request("z", [5, 6], SamplingParams())
     assert list(engine.requests) == ["z"]
+
+
+class _ByteTokenizer:
+    """Token i is the character chr(97 + i % 26): enough to test stop strings without a real vocabulary."""
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(chr(97 + i % 26) for i in ids)
+
+    def token_bytes(self, token_id, skip_special_tokens=False):
+        return self.decode([token_id]).encode()
+
+
+def test_stop_strings_cut_the_text_and_end_the_request(model, oracle):
+    prompt = prompts(1, seed=2)[0]
+    full = oracle(prompt)
+    text = _ByteTokenizer().decode(full)
+    stop = text[5:7]
+    engine = _engine(model, mtp=2)
+    engine.tokenizer = _ByteTokenizer()
+    req = engine.add_request("s", prompt, SamplingParams(max_tokens=MAX_NEW, temperature=0.0, stop=(stop,)))
+    streamed = ""
+    while engine.has_unfinished():
+        streamed += "".join(o.text_delta for o in engine.step())
+    assert req.finish_reason == "stop"
+    assert streamed == req.text == text[: text.index(stop)]
+    _check_pool(engine)

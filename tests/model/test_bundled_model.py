@@ -62,7 +62,7 @@ def test_config_is_glm52_schema():
 def test_transformers_gives_the_same_logits(model, tokenizer):
     from transformers import GlmMoeDsaForCausalLM
 
-    ref = GlmMoeDsaForCausalLM.from_pretrained(MODEL_DIR, attn_implementation="eager").eval()
+    ref = GlmMoeDsaForCausalLM.from_pretrained(MODEL_DIR, attn_implementation="eager", dtype=torch.float32).eval()
     ids = _heldout_windows(tokenizer, 3, 320)[0]  # longer than index_topk: sparse attention is on
     expected = ref(torch.tensor([ids])).logits[0]
     got = model.forward_logits(ForwardBatch.build([ids], [0], [[0]], block_size=512))
