@@ -1,0 +1,107 @@
+"""NIXL (UCX) KV transfer between two real processes on this host.
+
+Default UCX transports here: CMA for the data (each chunk is copied inside ``transfer()``), TCP for
+notifications. The ``UCX_TLS=tcp`` case makes requests stay in progress, so cancel goes through
+NIXL's release of an active request plus our fence.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from glmserve.kv.transfer import memcpy_throughput, nixl_unavailable_reason
+from tests.kv.transfer_peer import (
+    ReceiverProcess,
+    check_cancel_drains,
+    check_exact_write,
+    check_peer_death,
+    make_source,
+)
+
+_reason = nixl_unavailable_reason()
+pytestmark = pytest.mark.skipif(_reason is not None, reason=f"nixl does not import here: {_reason}")
+
+NUM_BLOCKS, BLOCK_BYTES = 80, 1 << 20
+DYING_BLOCKS, DYING_BLOCK_BYTES = 512, 128 << 10  # 64 MiB in small blocks: a write with many steps
+
+
+def nixl_writer(src, **options):
+    from glmserve.kv.transfer.nixl_backend import NixlTransferBackend
+
+    backend = NixlTransferBackend(**options)
+    backend.register(src)
+    return backend
+
+
+@pytest.fixture(scope="module")
+def receivers():
+    """The main receiver and one to kill, started together (their imports overlap)."""
+    main = ReceiverProcess.launch("nixl", NUM_BLOCKS, BLOCK_BYTES)
+    dying = ReceiverProcess.launch("nixl", DYING_BLOCKS, DYING_BLOCK_BYTES, seed=7)
+    yield main, dying
+    main.stop()
+    dying.stop()
+
+
+@pytest.fixture(scope="module")
+def receiver(receivers):
+    return receivers[0].ready()
+
+
+@pytest.fixture(scope="module")
+def source():
+    return make_source(NUM_BLOCKS, BLOCK_BYTES)
+
+
+@pytest.fixture(scope="module")
+def writer(receiver, source):
+    backend = nixl_writer(source, chunk_bytes=2 << 20)  # 2-block chunks: cancel lands mid-write
+    yield backend, backend.connect(receiver.target_info)
+    backend.close()
+
+
+def test_write_lands_exactly_and_stamp_verifies(writer, receiver, source):
+    backend, peer = writer
+    check_exact_write(backend, peer, receiver, source)
+    assert backend.connect(receiver.target_info) == peer  # cached
+
+
+def test_cancel_between_chunks_drains_a_64mib_write(writer, receiver):
+    backend, peer = writer
+    landed, error = check_cancel_drains(backend, peer, receiver)
+    assert 0 < landed < 64 and error == "cancelled"
+
+
+def test_cancel_of_a_request_in_flight_is_fenced(receiver, source, monkeypatch):
+    monkeypatch.setenv("UCX_TLS", "tcp")  # no CMA: a posted request stays in progress
+    backend = nixl_writer(source, chunk_bytes=64 << 20)  # one request for the whole write
+    try:
+        peer = backend.connect(receiver.target_info)
+        _, error = check_cancel_drains(backend, peer, receiver, after_s=0.01, first_src=8)
+        assert error == "cancelled in flight"
+    finally:
+        backend.close()
+
+
+def test_peer_death_fails_the_write_promptly(receivers):
+    # One block per request: the kill lands between or inside the copies.
+    backend = nixl_writer(make_source(DYING_BLOCKS, DYING_BLOCK_BYTES), chunk_bytes=DYING_BLOCK_BYTES)
+    try:
+        assert check_peer_death(backend, receivers[1]) < 5.0
+    finally:
+        start = time.monotonic()
+        backend.close()
+        assert time.monotonic() - start < 5.0
+
+
+def test_throughput_helper_reports_bytes_per_second(writer):
+    from glmserve.kv.transfer import measure_write_throughput
+
+    backend, peer = writer
+    ids = list(range(16))
+    rate = measure_write_throughput(backend, peer, ids, ids, repeats=2)
+    copy = memcpy_throughput(16, BLOCK_BYTES, repeats=2)
+    print(f"\nNIXL {rate / 1e9:.2f} GB/s, memcpy {copy / 1e9:.2f} GB/s (16 x 1 MiB)")
+    assert rate > 0 and copy > 0
