@@ -154,11 +154,11 @@ class Engine:
         for i, w in enumerate(work):
             req, start = w.request, w.request.num_computed
             new_tokens = self._advance(w, main.logits[i])
+            self.kv.commit_full_blocks(req)  # before a finish frees the blocks
             out = self._emit(req, new_tokens, main.logits[i])
             outputs.append(out)
             if req.is_finished:
                 continue
-            self.kv.commit_full_blocks(req)
             if self.use_mtp:
                 to_draft.append((req, start, main.hidden[i], w.is_decode))
         if to_draft:

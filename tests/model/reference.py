@@ -27,7 +27,9 @@ BASE_CONFIG = dict(
     v_head_dim=32,
     index_topk=64,
     index_head_dim=32,
-    index_n_heads=8,
+    # 32 indexer heads as in GLM-5.2: an exact tie needs all 32 ReLUs at zero, so top-k cuts have no
+    # ties, where the reference's choice would be whatever torch.topk does for that tensor shape.
+    index_n_heads=32,
     first_k_dense_replace=2,
     index_topk_freq=4,
     index_skip_topk_offset=3,

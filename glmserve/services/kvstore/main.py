@@ -1,0 +1,113 @@
+"""The kvstore process: ``python -m glmserve.services.kvstore.main --host H --port P
+[--redis-url redis://127.0.0.1:6379/0] [--metrics-port M]``.
+
+Serves the block index over gRPC (in memory, or in Redis with ``--redis-url`` so several routers
+share it), logs which index it uses, exports Prometheus metrics on ``--metrics-port``, and stops
+cleanly on SIGTERM / SIGINT (exit status 0). A Redis that is down at start is not fatal: the
+service comes up, Health reports ``index_up: false`` and index calls fail with UNAVAILABLE until
+Redis is back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import threading
+from collections.abc import Sequence
+from concurrent import futures
+from dataclasses import dataclass
+
+import grpc
+from prometheus_client import start_http_server
+
+from glmserve.kv.block_index import BlockIndex, InMemoryBlockIndex, RedisBlockIndex
+from glmserve.proto_gen.glmserve.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+from glmserve.services.kvstore.metrics import KVStoreMetrics
+from glmserve.services.kvstore.servicer import KVStoreServicer
+
+log = logging.getLogger("glmserve.kvstore")
+
+
+@dataclass(frozen=True)
+class KVStoreConfig:
+    host: str = "127.0.0.1"
+    port: int = 50070  # 0: any free port (logged)
+    redis_url: str | None = None  # None: the index lives in this process
+    redis_key_prefix: str = "glmserve"
+    redis_timeout_s: float = 0.5
+    metrics_port: int | None = None  # None: no metrics endpoint
+    threads: int = 8  # gRPC handler threads
+    grace_s: float = 2.0  # how long in-flight RPCs may finish on shutdown
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port: must be in [0, 65535], got {self.port}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port: must be in [0, 65535], got {self.metrics_port}")
+        schemes = ("redis://", "rediss://", "unix://")
+        if self.redis_url is not None and not self.redis_url.startswith(schemes):
+            raise ValueError(f"redis_url: must start with one of {schemes}, got {self.redis_url!r}")
+        if self.threads < 1:
+            raise ValueError(f"threads: must be >= 1, got {self.threads}")
+
+    @classmethod
+    def from_args(cls, argv: Sequence[str] | None = None) -> KVStoreConfig:
+        p = argparse.ArgumentParser(prog="python -m glmserve.services.kvstore.main",
+                                    description="glmserve kvstore: the cluster block index over gRPC")
+        p.add_argument("--host", default=cls.host)
+        p.add_argument("--port", type=int, default=cls.port)
+        p.add_argument("--redis-url", default=None, help="keep the index in Redis (shared by routers)")
+        p.add_argument("--redis-key-prefix", default=cls.redis_key_prefix)
+        p.add_argument("--redis-timeout", type=float, default=cls.redis_timeout_s, dest="redis_timeout_s")
+        p.add_argument("--metrics-port", type=int, default=None)
+        p.add_argument("--threads", type=int, default=cls.threads)
+        return cls(**vars(p.parse_args(argv)))
+
+    def build_index(self) -> BlockIndex:
+        if self.redis_url is None:
+            return InMemoryBlockIndex()
+        return RedisBlockIndex(self.redis_url, key_prefix=self.redis_key_prefix,
+                               timeout_s=self.redis_timeout_s)
+
+
+def serve(config: KVStoreConfig, stop: threading.Event) -> None:
+    """Runs the service until ``stop`` is set."""
+    index = config.build_index()
+    metrics = KVStoreMetrics(index)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.threads))
+    pb_grpc.add_KVStoreServicer_to_server(KVStoreServicer(index, metrics), server)
+    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    http = None
+    if config.metrics_port is not None:
+        http, _ = start_http_server(config.metrics_port, addr=config.host, registry=metrics.registry)
+    server.start()
+    log.info("kvstore serving on %s:%d; index: %s; metrics: %s", config.host, port, index.describe(),
+             f"{config.host}:{http.server_port}" if http is not None else "off")
+    if not index.healthy():
+        log.warning("index backend unreachable (%s): index calls fail with UNAVAILABLE until it is back",
+                    index.describe())
+    try:
+        while not stop.wait(0.5):  # short waits keep the main thread responsive to signals
+            pass
+    finally:
+        log.info("kvstore stopping")
+        server.stop(config.grace_s).wait()
+        if http is not None:
+            http.shutdown()
+        index.close()
+        log.info("kvstore stopped")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = KVStoreConfig.from_args(argv)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    serve(config, stop)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

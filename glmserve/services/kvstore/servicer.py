@@ -1,0 +1,94 @@
+"""gRPC servicer of ``glmserve.kvstore.v1.KVStore``: a thin adapter over a ``BlockIndex``.
+
+It converts messages, validates a whole event batch before applying any of it (a bad batch changes
+nothing), and maps errors to status codes: ``ValueError`` -> INVALID_ARGUMENT,
+``IndexUnavailable`` -> UNAVAILABLE (the caller falls back at once instead of waiting).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import grpc
+
+from glmserve.kv.block_index import BlockIndex, IndexUnavailable, Tier, check_event
+from glmserve.proto_gen.glmserve.kvstore.v1 import kvstore_pb2 as pb
+from glmserve.proto_gen.glmserve.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+from glmserve.services.kvstore.metrics import KVStoreMetrics
+
+R = TypeVar("R")
+
+TIER_FROM_PROTO = {pb.TIER_DEVICE: Tier.DEVICE, pb.TIER_HOST: Tier.HOST}
+TIER_TO_PROTO = {tier: value for value, tier in TIER_FROM_PROTO.items()}
+KIND_FROM_PROTO = {pb.EVENT_KIND_STORED: "stored", pb.EVENT_KIND_REMOVED: "removed"}
+
+
+def _rpc(fn: Callable[[Any, Any, grpc.ServicerContext], R]) -> Callable[[Any, Any, grpc.ServicerContext], R]:
+    """Maps the index's errors to gRPC status codes and counts failures."""
+
+    @functools.wraps(fn)
+    def handler(self: KVStoreServicer, request: Any, context: grpc.ServicerContext) -> R:
+        try:
+            return fn(self, request, context)
+        except ValueError as e:
+            code, details = grpc.StatusCode.INVALID_ARGUMENT, str(e)
+        except IndexUnavailable as e:
+            code, details = grpc.StatusCode.UNAVAILABLE, f"block index unavailable: {e}"
+        if self.metrics is not None:
+            self.metrics.rpc_errors.labels(rpc=fn.__name__, code=code.name).inc()
+        context.abort(code, details)  # raises
+
+    return handler
+
+
+class KVStoreServicer(pb_grpc.KVStoreServicer):
+    """Serves one ``BlockIndex``; thread-safe because the index is."""
+
+    def __init__(self, index: BlockIndex, metrics: KVStoreMetrics | None = None) -> None:
+        self.index = index
+        self.metrics = metrics
+
+    @_rpc
+    def PublishEvents(self, request: pb.EventBatch, context: grpc.ServicerContext) -> pb.Ack:
+        events = [_event_from_proto(i, e) for i, e in enumerate(request.events)]
+        for kind, worker, tier, hashes in events:
+            (self.index.stored if kind == "stored" else self.index.removed)(worker, tier, hashes)
+            if self.metrics is not None:
+                self.metrics.events.labels(kind=kind).inc()
+        return pb.Ack(events_applied=len(events))
+
+    @_rpc
+    def Lookup(self, request: pb.LookupRequest, context: grpc.ServicerContext) -> pb.LookupResponse:
+        matches = self.index.match(list(request.block_hashes))
+        if self.metrics is not None:
+            self.metrics.lookups.inc()
+        return pb.LookupResponse(matches=[
+            pb.WorkerMatch(worker_id=w, device_blocks=m.device_blocks, host_blocks=m.host_blocks)
+            for w, m in matches.items()
+        ])
+
+    @_rpc
+    def RemoveWorker(self, request: pb.RemoveWorkerRequest,
+                     context: grpc.ServicerContext) -> pb.RemoveWorkerResponse:
+        return pb.RemoveWorkerResponse(entries_removed=self.index.remove_worker(request.worker_id))
+
+    def Health(self, request: pb.HealthRequest, context: grpc.ServicerContext) -> pb.HealthResponse:
+        up = self.index.healthy()
+        detail = "" if up else f"cannot reach the index backend: {self.index.describe()}"
+        return pb.HealthResponse(index_backend=self.index.backend, index_up=up, detail=detail)
+
+
+def _event_from_proto(i: int, event: pb.BlockEvent) -> tuple[str, str, Tier, list[bytes]]:
+    kind = KIND_FROM_PROTO.get(event.kind)
+    if kind is None:
+        raise ValueError(f"events[{i}].kind: must be STORED or REMOVED, got {event.kind}")
+    tier = TIER_FROM_PROTO.get(event.tier)
+    if tier is None:
+        raise ValueError(f"events[{i}].tier: must be DEVICE or HOST, got {event.tier}")
+    try:
+        worker, tier, hashes = check_event(event.worker_id, tier, event.block_hashes)
+    except ValueError as e:
+        raise ValueError(f"events[{i}].{e}") from None
+    return kind, worker, tier, hashes

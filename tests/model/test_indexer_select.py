@@ -1,0 +1,36 @@
+"""Top-k selection is exact and does not depend on batching: ties go to earlier positions."""
+
+from __future__ import annotations
+
+import torch
+from reference import config_dict
+
+from glmserve.model.config import GlmConfig
+from glmserve.model.indexer import Indexer
+
+
+def _indexer(topk: int) -> Indexer:
+    return Indexer(GlmConfig.from_dict(config_dict("glm52_schedule", index_topk=topk)))
+
+
+def test_ties_at_the_cut_go_to_earlier_positions():
+    scores = torch.tensor([[0.0, 2.0, 0.0, 1.0, 0.0, 0.0, 3.0]])
+    assert _indexer(4).select(scores).tolist() == [[0, 1, 3, 6]]
+
+
+def test_selection_ignores_masked_tail_and_other_rows():
+    g = torch.Generator().manual_seed(0)
+    scores = torch.relu(torch.randn(6, 50, generator=g)).round(decimals=1)  # many exact ties
+    indexer = _indexer(12)
+    alone = [indexer.select(row[None]) for row in scores]
+    padded = torch.cat([scores, torch.full((6, 9), float("-inf"))], dim=1)
+    together = indexer.select(padded)
+    for i in range(6):
+        assert together[i].tolist() == alone[i][0].tolist()
+        top = scores[i].sort(descending=True, stable=True).indices[:12].sort().values
+        assert together[i].tolist() == top.tolist()
+
+
+def test_short_context_selects_everything():
+    scores = torch.randn(3, 5)
+    assert _indexer(64).select(scores).tolist() == [list(range(5))] * 3

@@ -1,0 +1,99 @@
+"""Helpers for the router tests: a real uvicorn server on 127.0.0.1 in a thread, and a scripted
+backend that replays fixed token ids (for paths the tiny model cannot be steered into)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import uvicorn
+
+from glmserve.engine.sampling_params import SamplingParams
+from glmserve.services.router.backend import GenerationBackend, GenerationEvent
+
+# The bundled model; GLMSERVE_TEST_MODEL_DIR points the tests at another dir of the same format.
+MODEL_DIR = Path(
+    os.environ.get("GLMSERVE_TEST_MODEL_DIR", Path(__file__).resolve().parents[2] / "models" / "glm52-tiny")
+)
+HAS_MODEL = (MODEL_DIR / "model.safetensors").exists()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def serve(app, ready_path: str | None = "/ready", timeout_s: float = 120.0) -> Iterator[str]:
+    """Run ``app`` with uvicorn on a free loopback port; yields the base URL once it answers
+    ``ready_path`` with 200 (or once it listens, when ``ready_path`` is None)."""
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, name=f"uvicorn-{port}", daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            if server.started and (ready_path is None or _ok(base + ready_path)):
+                break
+            if time.monotonic() > deadline or not thread.is_alive():
+                raise RuntimeError(f"server on port {port} did not become ready")
+            time.sleep(0.05)
+        yield base
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+def _ok(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+class ScriptedBackend(GenerationBackend):
+    """Answers every request with ``script(prompt_ids)``'s token ids, one per event, then "stop".
+    Records what reached it; ``is_ready`` and ``fail_with`` steer readiness and failures."""
+
+    def __init__(self, script: Callable[[list[int]], list[int]], delay_s: float = 0.0):
+        self.script = script
+        self.delay_s = delay_s
+        self.generated: list[tuple[str, list[int], SamplingParams]] = []
+        self.aborted: list[str] = []
+        self.is_ready = True
+        self.fail_with: str | None = None  # an error message for the next requests' first event
+
+    def ready(self) -> bool:
+        return self.is_ready
+
+    async def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+    async def generate(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[GenerationEvent]:
+        self.generated.append((request_id, list(prompt_ids), params))
+        if self.fail_with is not None:
+            yield GenerationEvent(request_id, finished=True, finish_reason="error", error=self.fail_with)
+            return
+        ids = self.script(prompt_ids)[: params.max_tokens]
+        for i, token in enumerate(ids):
+            await asyncio.sleep(self.delay_s)
+            if request_id in self.aborted:  # the contract: an aborted stream ends with "abort"
+                yield GenerationEvent(request_id, finished=True, finish_reason="abort")
+                return
+            last = i == len(ids) - 1
+            reason = None if not last else ("length" if len(ids) == params.max_tokens else "stop")
+            yield GenerationEvent(
+                request_id, [token], [-0.5] if params.logprobs is not None else [], last, reason
+            )
