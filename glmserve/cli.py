@@ -30,6 +30,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--mtp", default="auto", help="number of MTP drafts, 'auto' or 'off'")
     gen.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    serve = sub.add_parser("serve-local", help="OpenAI-compatible server over one in-process engine")
+    _model_arg(serve)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", action="append", default=[], help="require this key (repeatable)")
+    serve.add_argument("--mtp", default="auto", help="number of MTP drafts, 'auto' or 'off'")
     layout = sub.add_parser("kv-layout", help="print the KV block layout and bytes per token of a model")
     _model_arg(layout)
     layout.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
@@ -43,6 +49,10 @@ def main(argv: list[str] | None = None) -> int:
         from glmserve.commands.kv_layout import run_kv_layout
 
         return run_kv_layout(args)
+    if args.command == "serve-local":
+        from glmserve.commands.serve_local import run_serve_local
+
+        return run_serve_local(args)
     from glmserve.commands.generate import run_generate
 
     return run_generate(args)

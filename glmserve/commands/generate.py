@@ -15,7 +15,7 @@ from glmserve.text.detokenizer import IncrementalDetokenizer
 from glmserve.text.tokenizer import Tokenizer
 
 
-def _mtp(value: str) -> str | int:
+def mtp_setting(value: str) -> str | int:
     if value in ("auto", "off"):
         return value
     try:
@@ -35,7 +35,7 @@ def run_generate(args: argparse.Namespace) -> int:
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed
     )
-    engine = Engine.from_model_dir(args.model, dtype=getattr(torch, args.dtype), mtp=_mtp(args.mtp))
+    engine = Engine.from_model_dir(args.model, dtype=getattr(torch, args.dtype), mtp=mtp_setting(args.mtp))
     detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=True)
     start = time.perf_counter()
     first = None
