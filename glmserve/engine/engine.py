@@ -61,6 +61,8 @@ class StepOutput:
     finished: bool
     finish_reason: str | None = None
     new_logprobs: list[float] = field(default_factory=list)
+    # Per new token, the request's `logprobs` most likely (token id, logprob) pairs; empty if not asked.
+    new_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     text_delta: str = ""  # only when the engine has a tokenizer; held back while a stop string may start
 
 
@@ -200,15 +202,16 @@ class Engine:
         kept = tokens[: check.num_kept] if check else []
         if kept and req.first_token_time is None:
             req.first_token_time = time.monotonic()
-        logprobs = self._logprobs(req, kept, logits)
+        logprobs, top_logprobs = self._logprobs(req, kept, logits)
         req.output_ids.extend(kept)
         req.output_logprobs.extend(logprobs)
+        req.output_top_logprobs.extend(top_logprobs)
         self.stats.generated_tokens += len(kept)
         text_delta = self._text(req, kept[: check.num_visible] if check else [])
         reason = req.stop_checker.finish_reason
         if reason is not None:
             self._finish(req, reason)
-        return StepOutput(req.request_id, kept, reason is not None, reason, logprobs, text_delta)
+        return StepOutput(req.request_id, kept, reason is not None, reason, logprobs, top_logprobs, text_delta)
 
     def _text(self, req: Request, visible: list[int]) -> str:
         """New text safe to stream; stop strings end the request and cut the text before them."""
@@ -226,13 +229,20 @@ class Engine:
         req.num_streamed_chars = max(req.num_streamed_chars, end)
         return delta
 
-    def _logprobs(self, req: Request, tokens: list[int], logits: torch.Tensor | None) -> list[float]:
-        if req.params.logprobs is None or not tokens:
-            return []
-        if logits is None:
-            return []
+    def _logprobs(
+        self, req: Request, tokens: list[int], logits: torch.Tensor | None
+    ) -> tuple[list[float], list[list[tuple[int, float]]]]:
+        """Logprob of each kept token under the model's raw distribution, and the top-N alternatives."""
+        n = req.params.logprobs
+        if n is None or not tokens or logits is None:
+            return [], []
         rows = torch.log_softmax(logits[: len(tokens)].float(), dim=-1)
-        return [float(rows[i, t]) for i, t in enumerate(tokens)]
+        chosen = [float(rows[i, t]) for i, t in enumerate(tokens)]
+        if n == 0:
+            return chosen, []
+        top = rows.topk(n, dim=-1)
+        pairs = [list(zip(ids.tolist(), vals.tolist(), strict=True)) for vals, ids in zip(top.values, top.indices, strict=True)]
+        return chosen, pairs
 
     def _finish(self, req: Request, reason: str) -> None:
         self.scheduler.remove(req)

@@ -142,3 +142,22 @@ def test_stop_strings_cut_the_text_and_end_the_request(model, oracle):
     assert req.finish_reason == "stop"
     assert streamed == req.text == text[: text.index(stop)]
     _check_pool(engine)
+
+
+def test_logprobs_and_top_logprobs(model):
+    import torch
+
+    from glmserve.model.forward_batch import ForwardBatch
+
+    prompt = prompts(1, seed=9)[0]
+    engine = _engine(model, mtp=2)
+    (req,) = engine.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0, logprobs=3))
+    assert len(req.output_logprobs) == len(req.output_top_logprobs) == len(req.output_ids)
+    seq = prompt + req.output_ids
+    with torch.no_grad():
+        logits = model.forward_logits(ForwardBatch.build([seq], [0], [[0]], block_size=256))
+    expected = torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1)
+    for i, token in enumerate(req.output_ids):
+        assert abs(req.output_logprobs[i] - float(expected[i, token])) < 1e-4
+        ids = [t for t, _ in req.output_top_logprobs[i]]
+        assert ids[0] == token and ids == expected[i].topk(3).indices.tolist()
