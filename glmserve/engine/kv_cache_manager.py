@@ -57,8 +57,9 @@ class KVCacheManager:
         """Hash and publish every block whose tokens are all computed."""
         if self.root_hash is None:
             return
-        full = req.num_computed // self.block_size
         tokens = req.token_ids
+        # Accepted drafts count as computed before they are appended to the output: hash known tokens only.
+        full = min(req.num_computed, len(tokens)) // self.block_size
         while len(req.block_hashes) < full:
             i = len(req.block_hashes)
             prev = req.block_hashes[-1] if req.block_hashes else self.root_hash
