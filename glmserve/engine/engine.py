@@ -99,6 +99,8 @@ class Engine:
         self.fixed_drafts = None if config.mtp == "auto" else max_drafts
         self.use_mtp = use_mtp
         self.requests: dict[str, Request] = {}
+        self.held: dict[str, Request] = {}  # finished, blocks kept (prefill-only requests)
+        self.reserved: dict[str, list[int]] = {}  # blocks allocated for KV that another worker writes
         self.stats = EngineStats()
 
     @classmethod
@@ -110,9 +112,16 @@ class Engine:
     # --- requests -------------------------------------------------------------------------------
 
     def add_request(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams, priority: int = 0
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        hold_blocks: bool = False,
     ) -> Request:
-        if request_id in self.requests:
+        """Queue a request. `hold_blocks` (prefill workers): when it finishes, its blocks stay allocated
+        and `held[request_id]` keeps it, with `last_hidden` set, until `release(request_id)`."""
+        if request_id in self.requests or request_id in self.held:
             raise ValueError(f"request_id: {request_id!r} is already running")
         if len(prompt_ids) + params.max_tokens > self.model.config.max_position_embeddings:
             raise ValueError("prompt_ids: prompt plus max_tokens exceeds max_position_embeddings")
@@ -121,7 +130,7 @@ class Engine:
             raise ValueError(f"prompt_ids: token ids out of range: {bad[:5]}")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop: stop strings need an engine with a tokenizer")
-        req = Request(request_id, list(prompt_ids), params, priority=priority)
+        req = Request(request_id, list(prompt_ids), params, priority=priority, hold_blocks=hold_blocks)
         req.stop_checker = StopChecker(params, self.eos_ids)
         if self.tokenizer is not None:
             req.detokenizer = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=True)
@@ -133,11 +142,62 @@ class Engine:
         """Stop a request now; its blocks are free when this returns."""
         req = self.requests.pop(request_id, None)
         if req is None:
-            return False
+            return self.release(request_id)
         self.scheduler.remove(req)
         req.status, req.finish_reason = RequestStatus.FINISHED, "abort"
         self.stats.aborts += 1
         return True
+
+    # --- disaggregation: blocks that outlive a request, or arrive from another worker ------------
+
+    def release(self, request_id: str) -> bool:
+        """Free what a held (prefill-only) request or a reservation kept."""
+        req = self.held.pop(request_id, None)
+        if req is not None:
+            self.kv.commit_full_blocks(req)
+            self.kv.free(req)
+            return True
+        blocks = self.reserved.pop(request_id, None)
+        if blocks is not None:
+            self.pool.release(blocks[::-1])
+            return True
+        return False
+
+    def reserve(self, request_id: str, num_tokens: int) -> list[int]:
+        """Allocate blocks for `num_tokens` positions that a prefill worker will write into.
+
+        They are owned by the incoming transfer until `add_prefilled` (or `release` after the writer
+        has drained). Raises OutOfBlocks when the pool cannot hold them."""
+        if request_id in self.reserved or request_id in self.requests:
+            raise ValueError(f"request_id: {request_id!r} already has blocks")
+        blocks = self.pool.allocate(self.kv.blocks_for(num_tokens))
+        self.reserved[request_id] = blocks
+        return blocks
+
+    def add_prefilled(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, first_token: int,
+        last_hidden: torch.Tensor, num_cached: int = 0,
+    ) -> StepOutput:
+        """Continue a request whose prompt KV (main and MTP layers) is in its reserved blocks.
+
+        `last_hidden` is the prefill worker's normed hidden state at the last prompt position: with the
+        first token it seeds MTP drafting. Returns the first token's output (it may already finish)."""
+        blocks = self.reserved.pop(request_id)
+        req = Request(request_id, list(prompt_ids), params)
+        req.stop_checker = StopChecker(params, self.eos_ids)
+        if self.tokenizer is not None:
+            req.detokenizer = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=True)
+        req.block_ids = blocks
+        req.num_computed = len(prompt_ids)
+        req.mtp_synced = len(prompt_ids) - 1
+        req.num_cached_prompt = num_cached
+        self.requests[request_id] = req
+        self.scheduler.adopt(req)
+        self.kv.commit_full_blocks(req)
+        out = self._emit(req, [first_token], None)
+        if not req.is_finished and self.use_mtp and self.kv.ensure(req, req.num_computed + 1):
+            self._draft([(req, req.num_computed - 1, last_hidden.reshape(1, -1), False)])
+        return out
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -154,24 +214,26 @@ class Engine:
         self.policy.main_cost.add(sum(w.num_new for w in work), time.perf_counter() - t0)
         outputs, to_draft = [], []
         for i, w in enumerate(work):
-            req, start = w.request, w.request.num_computed
-            new_tokens = self._advance(w, main.logits[i])
+            req, start, was_decode = w.request, w.request.num_computed, w.is_decode
+            new_tokens = self._advance(w, main.logits[i], was_decode)
+            if not was_decode and main.logits[i] is not None:
+                req.last_hidden = main.hidden[i][-1].clone()
             self.kv.commit_full_blocks(req)  # before a finish frees the blocks
             out = self._emit(req, new_tokens, main.logits[i])
             outputs.append(out)
-            if req.is_finished:
-                continue
+            if req.is_finished and not (req.hold_blocks and not was_decode):
+                continue  # a held prefill still gets its MTP KV: decode drafts from it
             if self.use_mtp:
-                to_draft.append((req, start, main.hidden[i], w.is_decode))
+                to_draft.append((req, start, main.hidden[i], was_decode))
         if to_draft:
             self._draft(to_draft)
         self.stats.preemptions = self.scheduler.num_preemptions
         return outputs
 
-    def _advance(self, w: ScheduledWork, logits: torch.Tensor | None) -> list[int]:
+    def _advance(self, w: ScheduledWork, logits: torch.Tensor | None, was_decode: bool) -> list[int]:
         """Move the request past this step's forward; returns the tokens it gained."""
         req = w.request
-        if not w.is_decode:
+        if not was_decode:
             req.num_computed += w.num_new
             self.stats.prompt_tokens += w.num_new
             if logits is None:
@@ -245,8 +307,10 @@ class Engine:
         return chosen, pairs
 
     def _finish(self, req: Request, reason: str) -> None:
-        self.scheduler.remove(req)
+        self.scheduler.remove(req, free_blocks=not req.hold_blocks)
         self.requests.pop(req.request_id, None)
+        if req.hold_blocks:
+            self.held[req.request_id] = req
         req.status, req.finish_reason = RequestStatus.FINISHED, reason
 
     # --- MTP drafting ---------------------------------------------------------------------------
@@ -256,7 +320,7 @@ class Engine:
 
         Prompt positions always get MTP KV (later drafts attend to them); decode steps skip the MTP
         when no drafts are wanted, which leaves a gap that only lowers later acceptance."""
-        decoding = [r for r, _, _, _ in items if not r.in_prefill]
+        decoding = [r for r, _, _, _ in items if not r.in_prefill and not r.is_finished]
         k = self.fixed_drafts if self.fixed_drafts is not None else self.policy.choose(len(decoding))
         reqs, starts, hidden, next_tokens = [], [], [], []
         for req, start, rows, was_decode in items:
@@ -276,7 +340,10 @@ class Engine:
         self.policy.mtp_cost.add(sum(len(t) for t in next_tokens), time.perf_counter() - t0)
         if k == 0:
             return
-        picks = [i for i, r in enumerate(reqs) if not r.in_prefill and self.kv.ensure(r, r.num_computed + k + 1)]
+        picks = [
+            i for i, r in enumerate(reqs)
+            if not r.in_prefill and not r.is_finished and self.kv.ensure(r, r.num_computed + k + 1)
+        ]
         self._draft_steps([reqs[i] for i in picks], result.hidden[picks], result.logits[picks],
                           [result.topk[i] for i in picks], k)
 

@@ -49,6 +49,8 @@ class Request:
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     first_token_time: float | None = None
     num_preemptions: int = 0
+    hold_blocks: bool = False  # prefill-only: keep the blocks after finishing, until released
+    last_hidden: torch.Tensor | None = None  # normed hidden state of the last prompt token (MTP seed)
     stop_checker: StopChecker | None = None
     detokenizer: IncrementalDetokenizer | None = None  # set when the engine produces text
     text: str = ""  # visible text so far (stop strings cut it)

@@ -32,10 +32,7 @@ class SchedulerConfig:
 class ScheduledWork:
     request: Request
     num_new: int  # tokens run through the main model this step, starting at request.num_computed
-
-    @property
-    def is_decode(self) -> bool:
-        return not self.request.in_prefill
+    is_decode: bool  # fixed when scheduled: the request's state changes once the step has run
 
 
 class Scheduler:
@@ -55,15 +52,22 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         heapq.heappush(self._waiting, (req.priority, req.arrival, next(self._order), req))
 
-    def remove(self, req: Request) -> None:
-        """Take a request out (finished or aborted) and free its blocks at once."""
+    def remove(self, req: Request, free_blocks: bool = True) -> None:
+        """Take a request out (finished or aborted); its blocks are freed at once unless the caller
+        keeps them (a prefill-only request whose KV still has to be shipped)."""
         if req in self.running:
             self.running.remove(req)
         else:
             self._waiting = [w for w in self._waiting if w[3] is not req]
             heapq.heapify(self._waiting)
-        self.kv.free(req)
+        if free_blocks:
+            self.kv.free(req)
         req.drafts, req.draft_probs = [], None
+
+    def adopt(self, req: Request) -> None:
+        """Run a request whose prompt KV is already in its blocks (written by a prefill worker)."""
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
 
     def schedule(self) -> list[ScheduledWork]:
         budget = self.config.max_step_tokens
@@ -74,7 +78,7 @@ class Scheduler:
             n = self._tokens_wanted(req, budget)
             if n == 0 or not self._make_room(req, req.num_computed + n):
                 continue
-            work.append(ScheduledWork(req, n))
+            work.append(ScheduledWork(req, n, not req.in_prefill))
             budget -= n
         while self._waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self._waiting[0][3]
@@ -85,7 +89,7 @@ class Scheduler:
             heapq.heappop(self._waiting)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            work.append(ScheduledWork(req, n))
+            work.append(ScheduledWork(req, n, not req.in_prefill))
             budget -= n
         return work
 
