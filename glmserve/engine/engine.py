@@ -210,12 +210,14 @@ class Engine:
             return []
         self.stats.steps += 1
         t0 = time.perf_counter()
+        draft_counts = {len(w.request.drafts) for w in work if w.is_decode}
+        pure_decode = all(w.is_decode for w in work) and len(draft_counts) == 1
         main = self.runner.run_main(work)
-        self.policy.main_cost.add(sum(w.num_new for w in work), time.perf_counter() - t0)
-        outputs, to_draft = [], []
+        outputs, to_draft, gained = [], [], 0
         for i, w in enumerate(work):
             req, start, was_decode = w.request, w.request.num_computed, w.is_decode
             new_tokens = self._advance(w, main.logits[i], was_decode)
+            gained += len(new_tokens)
             if not was_decode and main.logits[i] is not None:
                 req.last_hidden = main.hidden[i][-1].clone()
             self.kv.commit_full_blocks(req)  # before a finish frees the blocks
@@ -227,6 +229,8 @@ class Engine:
                 to_draft.append((req, start, main.hidden[i], was_decode))
         if to_draft:
             self._draft(to_draft)
+        if pure_decode:  # the policy learns from whole steps: every cost of speculating is in them
+            self.policy.record_step(len(work), draft_counts.pop(), time.perf_counter() - t0, gained)
         self.stats.preemptions = self.scheduler.num_preemptions
         return outputs
 
@@ -253,7 +257,6 @@ class Engine:
         if drafts:
             self.stats.draft_tokens += len(drafts)
             self.stats.accepted_tokens += len(tokens) - 1
-            self.policy.record_acceptance(len(drafts), len(tokens) - 1)
         self.stats.acceptance_lengths[len(tokens)] += 1
         self.kv.trim(req, req.num_computed + 1)
         return tokens
@@ -335,9 +338,7 @@ class Engine:
             req.mtp_synced = req.num_computed
         if not reqs:
             return
-        t0 = time.perf_counter()
         result = self.runner.run_mtp(reqs, starts, hidden, next_tokens)
-        self.policy.mtp_cost.add(sum(len(t) for t in next_tokens), time.perf_counter() - t0)
         if k == 0:
             return
         picks = [
@@ -363,9 +364,7 @@ class Engine:
             if self.model.config.index_share_for_mtp_iteration:
                 shared = [torch.cat([t, torch.arange(r.num_computed, p + 1).unsqueeze(0)], dim=1)
                           for t, r, p in zip(topk, reqs, positions, strict=True)]
-            t0 = time.perf_counter()
             result = self.runner.run_mtp(reqs, positions, list(hidden.split(1)), [[r.drafts[-1]] for r in reqs], shared)
-            self.policy.mtp_cost.add(len(reqs), time.perf_counter() - t0)
             hidden, logits = result.hidden, result.logits
             if not self.model.config.index_share_for_mtp_iteration:
                 topk = result.topk

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import pytest
+from engine_fixtures import prompts, random_model
 
 from glmserve.engine.engine import Engine, EngineConfig
 from glmserve.engine.sampling_params import SamplingParams
 from glmserve.model.greedy import greedy_generate
-
-from engine_fixtures import prompts, random_model
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,39 @@
+"""SpecPolicy picks the number of drafts that gave the most tokens per second, per batch size."""
+
+from __future__ import annotations
+
+from glmserve.engine.spec_policy import SpecPolicy
+
+
+def _feed(policy: SpecPolicy, batch: int, seconds: dict[int, float], tokens: dict[int, float], rounds: int = 5):
+    for _ in range(rounds):
+        for k, sec in seconds.items():
+            policy.record_step(batch, k, sec, tokens[k] * batch)
+
+
+def test_measures_each_choice_first():
+    policy = SpecPolicy(max_drafts=2)
+    assert policy.choose(1) == 0
+    policy.record_step(1, 0, 0.01, 1)
+    assert policy.choose(1) == 1
+
+
+def test_speculates_when_verification_is_nearly_free():
+    policy = SpecPolicy(max_drafts=3, explore_every=10**9)
+    _feed(policy, 1, {0: 0.010, 1: 0.011, 2: 0.012, 3: 0.014}, {0: 1, 1: 1.7, 2: 2.0, 3: 2.1})
+    assert policy.choose(1) == 2  # 2.0 / 0.012 beats 1.7 / 0.011 and 2.1 / 0.014
+
+
+def test_stops_speculating_when_it_does_not_pay():
+    policy = SpecPolicy(max_drafts=3, explore_every=10**9)
+    _feed(policy, 32, {0: 0.05, 1: 0.09, 2: 0.13, 3: 0.17}, {0: 1, 1: 1.7, 2: 2.0, 3: 2.1})
+    assert policy.choose(32) == 0
+    _feed(policy, 1, {0: 0.010, 1: 0.011, 2: 0.012, 3: 0.014}, {0: 1, 1: 1.7, 2: 2.0, 3: 2.1})
+    assert policy.choose(1) == 2 and policy.choose(32) == 0  # buckets are separate
+
+
+def test_explores_a_neighbour_now_and_then():
+    policy = SpecPolicy(max_drafts=3, explore_every=4)
+    _feed(policy, 32, {0: 0.05, 1: 0.09, 2: 0.13, 3: 0.17}, {0: 1, 1: 1.7, 2: 2.0, 3: 2.1})
+    picks = [policy.choose(32) for _ in range(8)]
+    assert picks.count(0) == 6 and picks.count(1) == 2
