@@ -1,0 +1,274 @@
+"""DecodeFlow: one decode request, from block reservation to its last token (one asyncio task).
+
+The stages and the rule for freeing destination blocks are in `glmserve.services.decode.worker`'s
+docstring. Aborts never cancel the task: ``abort`` sets an event the flow waits on next to whatever
+it awaits (and puts a `Stop` in its output queue), so every cleanup step runs to its end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from glmserve.engine.sampling_params import SamplingParams
+from glmserve.kv.transfer import StaleTransferError, StampError, TransferStamp, verify_stamp
+from glmserve.services.decode.flow_context import FlowContext
+from glmserve.services.decode.prefill_client import (
+    AbortAnswer,
+    PrefillAnswer,
+    PrefillCall,
+    PrefillCallError,
+)
+from glmserve.services.worker_metrics import TokenTimer
+
+if TYPE_CHECKING:
+    from glmserve.engine.engine import Engine, StepOutput
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DecodeEvent:
+    """New tokens of a request; the last event has ``finished`` (reason stop|length|abort|error)."""
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: str | None = None
+    error: str | None = None
+    num_cached_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class Stop:
+    """The request ends without more tokens: "abort" or "error" (with what went wrong)."""
+
+    reason: str
+    error: str | None = None
+
+
+class _Ended(Exception):
+    def __init__(self, stop: Stop) -> None:
+        super().__init__(stop.error or stop.reason)
+        self.stop = stop
+
+
+class DecodeFlow:
+    def __init__(self, ctx: FlowContext, request_id: str, generation: int, prompt_ids: list[int],
+                 params: SamplingParams, prefill_target: str, timer: TokenTimer | None) -> None:
+        self._ctx = ctx
+        self.request_id, self.generation = request_id, generation
+        self.key = f"{request_id}@{generation}"  # the engine's request id
+        self._prompt, self._params, self._target, self._timer = prompt_ids, params, prefill_target, timer
+        self.outputs: asyncio.Queue[StepOutput | Stop] = asyncio.Queue()  # from the engine thread
+        self._events: asyncio.Queue[DecodeEvent] = asyncio.Queue()
+        self._aborted = asyncio.Event()
+        self._abort_reason: str | None = None
+        self.stage = "queued"  # queued (reserving) | prefill | decode | done
+        self.num_cached = 0
+        self.task: asyncio.Task[None] | None = None
+        self._dest: list[int] = []  # the reserved blocks covering the prompt
+
+    def start(self, on_done: Callable[[DecodeFlow], None]) -> None:
+        self.task = asyncio.create_task(self._run(on_done), name=f"decode-{self.key}")
+
+    def abort(self, reason: str, label: str) -> None:
+        if self._abort_reason is not None or self.stage == "done":
+            return
+        self._abort_reason = reason
+        if self._ctx.metrics is not None:
+            self._ctx.metrics.abort(self.stage, label)
+        self._aborted.set()
+        self.outputs.put_nowait(Stop("abort", reason))
+
+    async def events(self) -> AsyncIterator[DecodeEvent]:
+        while True:
+            event = await self._events.get()
+            yield event
+            if event.finished:
+                return
+
+    async def _run(self, on_done: Callable[[DecodeFlow], None]) -> None:
+        try:
+            first, first_logprob = await self._prefill()
+            final = await self._decode(first, first_logprob)
+        except _Ended as e:
+            final = self._final(e.stop)
+        except Exception as e:  # a bug: end the stream; blocks in an unknown state wait out the backstop
+            log.exception("decode request %s failed", self.key)
+            if self.stage == "decode":
+                self._ctx.engine.submit_nowait(lambda eng: eng.abort(self.key))
+            else:
+                self._ctx.release_later(self.key, self._ctx.settings.prefill_timeout_s)
+            final = self._final(Stop("error", f"internal error: {e!r}"))
+        finally:
+            self.stage = "done"
+            on_done(self)
+        if self._timer is not None:
+            self._timer.finish()
+        self._events.put_nowait(final)
+
+    def _final(self, stop: Stop) -> DecodeEvent:
+        return DecodeEvent(finished=True, finish_reason=stop.reason, error=stop.error,
+                           num_cached_tokens=self.num_cached)
+
+    def _abort_stop(self) -> Stop | None:
+        return None if self._abort_reason is None else Stop("abort", self._abort_reason)
+
+    # --- stages -----------------------------------------------------------------------------------
+
+    async def reserve(self) -> None:
+        """Stage 1, before the stream exists: raises ``OutOfBlocks`` (the worker is full) or
+        ``ValueError`` (this request id and generation still hold blocks), holding nothing then.
+        A caller cancelled meanwhile leaves nothing behind either."""
+        n = len(self._prompt)
+        reserved = self._ctx.engine.submit(lambda e: e.reserve(self.key, n + 1))
+        try:
+            blocks = await asyncio.shield(reserved)
+        except asyncio.CancelledError:
+            reserved.add_done_callback(self._release_if_reserved)
+            raise
+        self._dest = blocks[: -(-n // self._ctx.block_size)]
+
+    def _release_if_reserved(self, reserved: asyncio.Future[list[int]]) -> None:
+        if not reserved.cancelled() and reserved.exception() is None:
+            self._ctx.release_now(self.key)
+
+    async def _prefill(self) -> tuple[StepOutput, float | None]:
+        ctx, s, dest = self._ctx, self._ctx.settings, self._dest
+        if self._abort_reason is not None:
+            ctx.release_now(self.key)  # nothing was asked of any prefill worker yet
+            raise _Ended(Stop("abort", self._abort_reason))
+        self.stage = "prefill"
+        arrival = ctx.arrivals.expect(self.request_id, self.generation)
+        call = asyncio.create_task(ctx.prefill.prefill(self._target, PrefillCall(
+            self.request_id, self.generation, self._prompt, self._params, ctx.target, dest,
+            ctx.transfer_kind, s.checksum), s.prefill_timeout_s))
+        await _first(call, self._aborted, s.prefill_timeout_s + 1.0)  # the call has its own deadline
+        if not call.done() or call.exception() is not None:
+            ctx.arrivals.forget(self.request_id, self.generation)
+            stop = self._abort_stop() or _stop_for(call, self._target)
+            await self._give_back(call, stop.error or stop.reason)
+            raise _Ended(stop)
+        answer = call.result()
+        await self._await_arrival(arrival)
+        ctx.arrivals.forget(self.request_id, self.generation)
+        if not arrival.done() or arrival.cancelled():
+            ctx.release_now(self.key)  # the writer saw the write done: nothing more lands
+            raise _Ended(self._abort_stop() or Stop("error", "the KV transfer's completion did not "
+                                                              f"arrive within {s.arrival_timeout_s}s"))
+        stamp, params, prompt = arrival.result(), self._params, self._prompt
+        try:
+            out = await ctx.engine.submit(lambda e: _admit(e, self, prompt, params, dest, stamp, answer,
+                                                           s.checksum))
+        except (StampError, ValueError) as e:  # _admit released the blocks
+            ctx.transfer_failed("stamp")
+            raise _Ended(Stop("error", f"KV transfer rejected: {e}")) from None
+        self.num_cached = answer.num_cached_tokens
+        return out, answer.first_logprob
+
+    async def _await_arrival(self, arrival: asyncio.Future[TransferStamp]) -> None:
+        """Poll for the completion until it arrived, the flow is aborted or the wait timed out."""
+        ctx, loop = self._ctx, asyncio.get_running_loop()
+        deadline = loop.time() + ctx.settings.arrival_timeout_s
+        while True:
+            ctx.poll_completions()
+            if arrival.done() or self._aborted.is_set() or loop.time() > deadline:
+                return
+            await asyncio.sleep(ctx.settings.poll_interval_s)
+
+    async def _give_back(self, call: asyncio.Task[PrefillAnswer], why: str) -> None:
+        """Tell the prefill worker to stop at once, then free the blocks when nothing more lands."""
+        ctx, s = self._ctx, self._ctx.settings
+        call.add_done_callback(_consume)
+        error = call.exception() if call.done() else None
+        if isinstance(error, PrefillCallError) and error.drained:
+            ctx.release_now(self.key)
+            return
+        answer = await ctx.prefill.abort(self._target, self.request_id, self.generation, why, s.prefill_timeout_s)
+        call.cancel()
+        if answer is AbortAnswer.DRAINED:
+            ctx.release_now(self.key)
+            return
+        if answer is AbortAnswer.PEER_GONE:
+            ctx.transfer_failed("peer_gone")
+            ctx.release_later(self.key, s.dead_peer_grace_s)
+            return
+        ctx.transfer_failed("not_drained")
+        log.warning("%s: prefill worker %s could not confirm the transfer drained (%s); blocks "
+                    "quarantined for %.0fs", self.key, self._target, answer.value, s.prefill_timeout_s)
+        ctx.release_later(self.key, s.prefill_timeout_s)
+
+    async def _decode(self, out: StepOutput | Stop, first_logprob: float | None) -> DecodeEvent:
+        self.stage = "decode"
+        logprobs = [first_logprob] if first_logprob is not None and self._params.logprobs is not None else []
+        while True:
+            if isinstance(out, Stop):
+                if out.reason == "abort":
+                    await self._ctx.engine.submit(lambda e: e.abort(self.key))  # frees its blocks now
+                return self._final(out)
+            event = DecodeEvent(list(out.new_token_ids), logprobs, out.finished, out.finish_reason,
+                                None, self.num_cached)
+            if self._timer is not None:
+                self._timer.on_tokens(len(event.token_ids))
+            if out.finished:
+                return event
+            if event.token_ids:
+                self._events.put_nowait(event)
+            out = await self.outputs.get()
+            logprobs = [] if isinstance(out, Stop) else list(out.new_logprobs)
+
+
+def _admit(engine: Engine, flow: DecodeFlow, prompt: list[int], params: SamplingParams, dest: list[int],
+           stamp: TransferStamp, answer: PrefillAnswer, checksum: bool) -> StepOutput:
+    """On the engine thread: verify the transfer, then join the request to the batch. Frees the
+    reserved blocks and raises when the transfer must not be used."""
+    key = flow.key
+    try:
+        replied = TransferStamp.decode(answer.stamp)
+        if replied != stamp:
+            raise StaleTransferError(f"the prefill answer's stamp {replied} is not the completion's {stamp}")
+        if checksum and stamp.checksum is None:
+            raise StampError("a checksum was asked for but the transfer carries none")
+        verify_stamp(stamp, request_id=flow.request_id, generation=flow.generation,
+                     buffer=engine.cache.buffer, block_ids=dest)
+        hidden_size = engine.model.config.hidden_size
+        if len(answer.mtp_hidden) != 4 * hidden_size:
+            raise ValueError(f"mtp_hidden: {len(answer.mtp_hidden)} bytes, expected float32 [{hidden_size}]")
+        hidden = torch.frombuffer(bytearray(answer.mtp_hidden), dtype=torch.float32).to(engine.model.dtype)
+    except (StampError, ValueError):
+        engine.release(key)
+        raise
+    return engine.add_prefilled(key, prompt, params, answer.first_token, hidden, answer.num_cached_tokens)
+
+
+async def _first(future: asyncio.Future[Any], event: asyncio.Event, timeout_s: float) -> None:
+    """Wait until ``future`` is done, ``event`` is set or ``timeout_s`` passed; never cancels ``future``."""
+    waiter = asyncio.ensure_future(event.wait())
+    try:
+        await asyncio.wait({future, waiter}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        waiter.cancel()
+
+
+def _stop_for(call: asyncio.Task[PrefillAnswer], target: str) -> Stop:
+    """How a stream ends when its Prefill call did not answer: "abort" when the prefill side
+    aborted it (an abort started there reaches the client too), else "error" naming the failure."""
+    if not call.done():
+        return Stop("error", f"prefill worker {target} did not answer in time")
+    error = call.exception()
+    if isinstance(error, PrefillCallError) and error.code == "aborted":
+        return Stop("abort", f"prefill worker {target}: {error}")
+    if isinstance(error, PrefillCallError) and error.code == "unavailable":
+        return Stop("error", f"prefill worker {target} failed or is unreachable: {error}")
+    return Stop("error", f"prefill worker {target}: {error}")
+
+
+def _consume(task: asyncio.Task[Any]) -> None:
+    if not task.cancelled():
+        task.exception()  # retrieved: no "exception was never retrieved" warning

@@ -1,0 +1,103 @@
+"""The decode worker process:
+
+``python -m glmserve.services.decode.main --model DIR --host 127.0.0.1 --port P --worker-id ID
+--transfer auto|nixl|tcp [--metrics-port M] [--kv-cache-bytes N] [--prefill-timeout-s 60]
+[--checksum]``
+
+Loads the model, registers its KV cache as the transfer destination (the choice is logged), serves
+``glmserve.decode.v1.Decode`` over gRPC (it is the prefill workers' gRPC client), prints
+``READY <host>:<port>`` when it takes requests, and on SIGTERM / SIGINT aborts every request
+(streams end with "abort", prefill workers are told) before it exits (status 0).
+``--prefill-timeout-s``: a Prefill call's deadline, and how long blocks stay reserved when a
+prefill worker cannot confirm its transfer drained (the timeout both sides agree on).
+``--checksum``: prefill workers stamp each transfer with a checksum that is verified here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from glmserve.proto_gen.glmserve.decode.v1 import decode_pb2_grpc as pb_grpc
+from glmserve.services.decode.prefill_client import GrpcPrefillClient
+from glmserve.services.decode.servicer import DecodeServicer
+from glmserve.services.decode.worker import DecodeSettings, DecodeWorker
+from glmserve.services.worker_metrics import WorkerMetrics
+from glmserve.services.worker_server import (
+    DEFAULT_TRANSFER_TIMEOUT_S,
+    add_common_args,
+    build_backend,
+    check_port,
+    run_worker,
+    setup_logging,
+)
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    model: str
+    worker_id: str
+    host: str = "127.0.0.1"
+    port: int = 0
+    transfer: str = "auto"
+    metrics_port: int | None = None
+    kv_cache_bytes: int | None = None
+    prefill_timeout_s: float = 60.0
+    checksum: bool = False
+
+    def __post_init__(self) -> None:
+        check_port("port", self.port)
+        check_port("metrics_port", self.metrics_port)
+        if not self.worker_id:
+            raise ValueError("worker_id: must not be empty")
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
+            raise ValueError(f"kv_cache_bytes: must be > 0, got {self.kv_cache_bytes}")
+        if self.prefill_timeout_s <= 0:
+            raise ValueError(f"prefill_timeout_s: must be > 0, got {self.prefill_timeout_s}")
+
+    @classmethod
+    def from_args(cls, argv: Sequence[str] | None = None) -> DecodeConfig:
+        p = argparse.ArgumentParser(prog="python -m glmserve.services.decode.main",
+                                    description="glmserve decode worker")
+        add_common_args(p)
+        p.add_argument("--prefill-timeout-s", type=float, default=cls.prefill_timeout_s)
+        p.add_argument("--checksum", action="store_true", help="verify a checksum of every transfer")
+        return cls(**vars(p.parse_args(argv)))
+
+    def engine_config(self) -> dict[str, int]:
+        return {} if self.kv_cache_bytes is None else {"kv_cache_bytes": self.kv_cache_bytes}
+
+
+async def serve(config: DecodeConfig) -> int:
+    from glmserve.engine.engine import Engine  # torch: imported here, not at module import
+
+    # A receiver's transfers are bounded by the writers' timeouts; ours only matters for close().
+    backend = build_backend(config.transfer, config.host, DEFAULT_TRANSFER_TIMEOUT_S)
+    worker = DecodeWorker(
+        lambda: Engine.from_model_dir(config.model, **config.engine_config()),
+        backend,
+        GrpcPrefillClient(),
+        DecodeSettings(prefill_timeout_s=config.prefill_timeout_s, checksum=config.checksum),
+        metrics=lambda engine: WorkerMetrics("decode", config.worker_id, lambda: engine.snapshot),
+    )
+    servicer = DecodeServicer(worker, config.worker_id)
+    return await run_worker(
+        worker,
+        lambda server: pb_grpc.add_DecodeServicer_to_server(servicer, server),
+        host=config.host,
+        port=config.port,
+        registry=worker.metrics.registry if worker.metrics is not None else None,
+        metrics_port=config.metrics_port,
+        name=f"decode worker {config.worker_id} ({backend.kind} transfer)",
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    setup_logging()
+    return asyncio.run(serve(DecodeConfig.from_args(argv)))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

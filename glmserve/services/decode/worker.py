@@ -1,0 +1,226 @@
+"""DecodeWorker: a request's whole life on the decode side, transport-free.
+
+The gRPC servicer is a thin adapter over ``generate`` / ``abort`` / ``health``. Per request
+(one asyncio task, `DecodeFlow`; the engine lives on an `EngineThread`):
+
+1. reserve: ``engine.reserve(key, len(prompt) + 1)``, before the stream exists (out of blocks:
+   `DecodeFull`, so the caller can try another decode worker);
+2. prefill: expect the transfer's completion (`TransferArrivals`), call the prefill worker with
+   the destination blocks covering the prompt; wait for its answer, then poll for the completion;
+3. admit: on the engine thread, check the answer's stamp equals the completion's, verify it
+   (request id, generation, checksum over the destination blocks), then ``add_prefilled``;
+4. decode: the engine thread's step outputs are routed to the request until it finishes.
+
+The engine's request id is ``<request id>@<generation>``, so blocks kept for an old generation can
+never be confused with a newer one's.
+
+Blocks reserved for an incoming transfer are freed only when no more bytes can land in them
+(DESIGN invariant 2). On abort (client cancel, Abort RPC, shutdown), prefill error or timeout
+during stage 2 the flow tells the prefill worker to Abort at once and frees the blocks according
+to its answer (`DecodeFlow._give_back`): drained -> now; peer gone -> after a short grace;
+otherwise -> after ``prefill_timeout_s``, the timeout both sides agree on (the prefill workers'
+transfer timeout plus drain is below it). A transfer that completed is drained by definition.
+A completion of an old generation is ignored (stage 2 only accepts the exact pair it expects).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from glmserve.engine.sampling_params import SamplingParams
+from glmserve.kv.block_pool import OutOfBlocks
+from glmserve.kv.transfer import KVTransferBackend, TransferStamp
+from glmserve.services.decode.arrivals import TransferArrivals
+from glmserve.services.decode.flow import DecodeEvent, DecodeFlow, Stop
+from glmserve.services.decode.flow_context import FlowContext
+from glmserve.services.decode.prefill_client import PrefillPort
+from glmserve.services.engine_thread import EngineThread
+from glmserve.services.worker_metrics import TokenTimer, WorkerMetrics
+
+if TYPE_CHECKING:
+    from glmserve.engine.engine import Engine, StepOutput
+
+log = logging.getLogger(__name__)
+
+
+class DecodeUnavailable(Exception):
+    """The worker cannot take a request now (loading, shutting down, engine thread dead)."""
+
+
+class DecodeFull(DecodeUnavailable):
+    """No KV blocks for this prompt now; another decode worker may have them."""
+
+
+@dataclass(frozen=True)
+class DecodeSettings:
+    prefill_timeout_s: float = 60.0  # Prefill call deadline; quarantine of undrained blocks
+    arrival_timeout_s: float = 5.0  # after the Prefill answer, how long the completion may lag
+    dead_peer_grace_s: float = 1.0  # a gone prefill worker: until its last bytes surely landed
+    checksum: bool = False  # ask prefill workers to stamp transfers with a checksum
+    poll_interval_s: float = 0.001  # completion polling between a Prefill answer and its arrival
+
+    def __post_init__(self) -> None:
+        for field in ("prefill_timeout_s", "arrival_timeout_s", "dead_peer_grace_s", "poll_interval_s"):
+            if getattr(self, field) <= 0:
+                raise ValueError(f"{field}: must be > 0, got {getattr(self, field)!r}")
+
+
+@dataclass(frozen=True)
+class WorkerHealth:
+    ready: bool
+    running: int
+    waiting: int
+    free_blocks: int
+
+
+class DecodeStream:
+    """One request's events, in order, ending with exactly one ``finished`` event."""
+
+    def __init__(self, flow: DecodeFlow) -> None:
+        self._flow = flow
+
+    def __aiter__(self) -> AsyncIterator[DecodeEvent]:
+        return self._flow.events()
+
+    def abort(self, reason: str = "client cancelled", label: str = "cancelled") -> None:
+        """Stop the request now (idempotent); the stream then ends with finish_reason "abort"."""
+        self._flow.abort(reason, label)
+
+
+class DecodeWorker:
+    def __init__(
+        self,
+        engine_factory: Callable[[], Engine],
+        backend: KVTransferBackend,
+        prefill: PrefillPort,
+        settings: DecodeSettings = DecodeSettings(),
+        metrics: Callable[[EngineThread], WorkerMetrics] | None = None,
+    ) -> None:
+        self._engine = EngineThread(engine_factory, self._on_step, self._on_step_error, "decode-engine")
+        self.metrics = metrics(self._engine) if metrics is not None else None
+        self._backend = backend
+        self._prefill = prefill
+        self._settings = settings
+        self._arrivals = TransferArrivals(self._on_stale)
+        self._flows: dict[str, DecodeFlow] = {}  # by request id
+        self._by_key: dict[str, DecodeFlow] = {}  # by engine request id
+        self._context: FlowContext | None = None
+        self._closing = False
+
+    @property
+    def engine(self) -> EngineThread:
+        return self._engine
+
+    async def start(self) -> None:
+        """Load the engine and register its KV buffer as the transfer destination."""
+        self._engine.start()
+        await self._engine.loaded()
+
+        def limits(e: Engine) -> tuple[object, ...]:
+            c = e.model.config
+            return e.cache.buffer, c.vocab_size, c.max_position_embeddings, e.config.block_size
+
+        buffer, vocab, max_positions, block_size = await self._engine.submit(limits)
+        self._backend.register(buffer)
+        self._context = FlowContext(
+            engine=self._engine, prefill=self._prefill, arrivals=self._arrivals,
+            settings=self._settings, metrics=self.metrics, target=self._backend.target_info(),
+            transfer_kind=self._backend.kind, block_size=int(block_size), vocab_size=int(vocab),
+            max_positions=int(max_positions), completions=self._backend.completions,
+        )
+
+    def health(self) -> WorkerHealth:
+        s = self._engine.snapshot
+        return WorkerHealth(self._ready(), s.running, s.waiting + s.reserved, s.free_blocks)
+
+    def _ready(self) -> bool:
+        return self._context is not None and self._engine.alive and not self._closing
+
+    # --- requests ---------------------------------------------------------------------------------
+
+    async def generate(
+        self, request_id: str, generation: int, prompt_ids: Sequence[int], params: SamplingParams,
+        prefill_target: str,
+    ) -> DecodeStream:
+        """Reserve the request's blocks and start it. Raises, with nothing held: ``ValueError``
+        naming the field for bad input, `DecodeFull` when the blocks are not there, and
+        `DecodeUnavailable` when not serving."""
+        if not self._ready():
+            raise DecodeUnavailable("the decode worker is not serving")
+        assert self._context is not None
+        if request_id in self._flows:
+            raise ValueError(f"request_id: {request_id!r} is already running")
+        if not prefill_target:
+            raise ValueError("prefill_target: must be host:port of a prefill worker")
+        self._context.validate(prompt_ids, params)
+        timer = TokenTimer(self.metrics) if self.metrics is not None else None
+        flow = DecodeFlow(self._context, request_id, generation, list(prompt_ids), params,
+                          prefill_target, timer)
+        self._flows[request_id], self._by_key[flow.key] = flow, flow
+        try:
+            await flow.reserve()
+        except OutOfBlocks as e:
+            self._forget(flow)
+            raise DecodeFull(f"decode worker out of KV blocks: {e}") from None
+        except BaseException:  # ValueError, or the caller went away
+            self._forget(flow)
+            raise
+        if self.metrics is not None:
+            self.metrics.prompt_tokens.inc(len(prompt_ids))
+        flow.start(on_done=self._forget)
+        return DecodeStream(flow)
+
+    def abort(self, request_id: str, generation: int, reason: str) -> bool:
+        """Abort a running request (its stream ends with "abort"); False if none runs."""
+        flow = self._flows.get(request_id)
+        if flow is None or flow.generation != generation:
+            return False
+        flow.abort(reason or "abort", "abort_rpc")
+        return True
+
+    def _forget(self, flow: DecodeFlow) -> None:
+        self._flows.pop(flow.request_id, None)
+        self._by_key.pop(flow.key, None)
+
+    async def close(self) -> None:
+        """Abort every request (streams end with "abort"; prefill workers are told), then stop."""
+        self._closing = True
+        flows = list(self._flows.values())
+        for flow in flows:
+            flow.abort("decode worker shutting down", "shutdown")
+        if flows:
+            await asyncio.wait([f.task for f in flows if f.task is not None], timeout=10.0)
+        if self._context is not None:
+            self._context.cancel_quarantines()
+        await self._engine.stop()
+        self._backend.close()
+        await self._prefill.close()
+
+    # --- hooks ------------------------------------------------------------------------------------
+
+    def _on_stale(self, stamp: TransferStamp, why: str) -> None:
+        if self.metrics is not None:
+            self.metrics.transfer_stale.inc()
+
+    # --- engine thread hooks ----------------------------------------------------------------------
+
+    def _on_step(self, engine: Engine, outputs: list[StepOutput]) -> None:
+        self._engine.post(self._route, outputs)
+
+    def _on_step_error(self, engine: Engine, error: BaseException) -> None:
+        keys = list(engine.requests)
+        for key in keys:
+            engine.abort(key)
+        stop = Stop("error", f"decode engine step failed: {error!r}")
+        self._engine.post(self._route, [(key, stop) for key in keys])
+
+    def _route(self, outputs: list[StepOutput] | list[tuple[str, Stop]]) -> None:
+        for item in outputs:
+            key = item[0] if isinstance(item, tuple) else item.request_id
+            flow = self._by_key.get(key)
+            if flow is not None:
+                flow.outputs.put_nowait(item[1] if isinstance(item, tuple) else item)

@@ -1,0 +1,62 @@
+"""What a prefill worker is asked (`PrefillJob`), what it answers (`PrefillResult`,
+`AbortOutcome`, `WorkerHealth`), and how a job ends without a result (`PrefillError`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from glmserve.core.errors import GlmServeError
+from glmserve.engine.sampling_params import SamplingParams
+from glmserve.kv.transfer import TransferStamp
+
+
+class PrefillError(GlmServeError):
+    """A prefill ended without a result; ``drained``: no more bytes can land in the destination."""
+
+    def __init__(self, message: str, drained: bool) -> None:
+        super().__init__(f"{message} (destination {'drained' if drained else 'NOT drained'})")
+        self.drained = drained
+
+
+class PrefillAborted(PrefillError):
+    """Abort arrived for this (request id, generation), or the generation was already aborted."""
+
+
+class PrefillFailed(PrefillError):
+    """The decode worker could not be reached, the transfer failed, or the engine failed."""
+
+
+@dataclass(frozen=True)
+class PrefillJob:
+    request_id: str
+    generation: int
+    prompt_ids: Sequence[int]
+    params: SamplingParams  # for the first token
+    decode_target: bytes  # the receiver's KVTransferBackend.target_info()
+    dest_block_ids: Sequence[int]  # the receiver's blocks, in order, covering the prompt
+    transfer_kind: str
+    checksum: bool = False
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    first_token: int
+    first_logprob: float | None
+    mtp_hidden: bytes  # float32 [hidden_size]
+    stamp: TransferStamp
+    num_cached_tokens: int
+
+
+@dataclass(frozen=True)
+class AbortOutcome:
+    found: bool  # the job was still running
+    drained: bool
+
+
+@dataclass(frozen=True)
+class WorkerHealth:
+    ready: bool
+    running: int
+    waiting: int
+    free_blocks: int

@@ -1,0 +1,303 @@
+"""PrefillWorker: computes a prompt's KV on its engine and writes it into a decode worker's blocks.
+
+Transport-free: the gRPC servicer is a thin adapter over ``prefill``, ``abort`` and ``health``.
+One job per (request id, generation), each its own asyncio task (a caller that goes away aborts
+the job, it never cuts it short):
+
+1. connect to the decode worker's transfer target (cached by the backend);
+2. compute: ``engine.add_request(..., max_tokens=1, hold_blocks=True)``; the engine thread's
+   step hook sees the request finish and posts its held blocks, first token and MTP seed;
+3. transfer: one ``backend.write`` of the prompt's blocks into ``dest_block_ids`` with the stamp
+   (request id, generation, checksum when asked), awaited until final;
+4. release the source blocks (to the prefix cache) once the write is final, record the outcome
+   in `PrefillHistory`, and answer with the first token, the MTP seed and the stamp.
+
+Abort (``abort(request_id, generation)``, or the caller cancelling): the job is marked at once;
+in compute the engine drops the request (its blocks are free when the command runs); in transfer
+the write is cancelled. ``abort`` returns only when the job has ended, with ``drained``: no more
+bytes can land in the destination (False only when the writer could not confirm it, e.g. the
+connection to the receiver died mid-write; the receiver then waits out the agreed timeout).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from glmserve.kv.transfer import KVTransferBackend, TransferError, TransferHandle, TransferStamp
+from glmserve.services.engine_thread import EngineThread
+from glmserve.services.prefill.history import DEFAULT_TTL_S, PrefillHistory
+from glmserve.services.prefill.job import (
+    AbortOutcome,
+    PrefillAborted,
+    PrefillError,
+    PrefillFailed,
+    PrefillJob,
+    PrefillResult,
+    WorkerHealth,
+)
+from glmserve.services.worker_metrics import WorkerMetrics
+
+if TYPE_CHECKING:
+    import torch
+
+    from glmserve.engine.engine import Engine, StepOutput
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Held:
+    """A finished prefill, read on the engine thread (copies: the engine keeps mutating)."""
+
+    block_ids: list[int]
+    first_token: int
+    first_logprob: float | None
+    mtp_hidden: bytes
+    num_cached: int
+
+
+@dataclass(eq=False)
+class _Job:
+    spec: PrefillJob
+    key: str  # the engine's request id: one per generation
+    held: asyncio.Future[_Held]
+    stage: str = "connect"  # connect | compute | transfer
+    abort_reason: str | None = None
+    handle: TransferHandle | None = None
+    drained: bool = True
+    task: asyncio.Task[PrefillResult] | None = None
+
+
+class PrefillWorker:
+    def __init__(
+        self,
+        engine_factory: Callable[[], Engine],
+        backend: KVTransferBackend,
+        metrics: Callable[[EngineThread], WorkerMetrics] | None = None,
+        history_ttl_s: float = DEFAULT_TTL_S,
+    ) -> None:
+        """``metrics``: builds the worker's metrics from its engine thread (for snapshot gauges)."""
+        self._engine = EngineThread(engine_factory, self._on_step, self._on_step_error, "prefill-engine")
+        self.metrics = metrics(self._engine) if metrics is not None else None
+        self._backend = backend
+        self._history = PrefillHistory(history_ttl_s)
+        self._jobs: dict[tuple[str, int], _Job] = {}
+        self._by_key: dict[str, _Job] = {}
+        self._background: set[asyncio.Task[AbortOutcome]] = set()
+        self._buffer: torch.Tensor | None = None
+        self._closing = False
+
+    @property
+    def engine(self) -> EngineThread:
+        return self._engine
+
+    async def start(self) -> None:
+        """Load the engine and register its KV buffer with the transfer backend."""
+        self._engine.start()
+        await self._engine.loaded()
+        self._buffer = await self._engine.submit(lambda e: e.cache.buffer)
+        self._backend.register(self._buffer)
+
+    def health(self) -> WorkerHealth:
+        s = self._engine.snapshot
+        ready = s.loaded and self._engine.alive and not self._closing
+        return WorkerHealth(ready, s.running + s.held, s.waiting, s.free_blocks)
+
+    # --- prefill ----------------------------------------------------------------------------------
+
+    async def prefill(self, spec: PrefillJob) -> PrefillResult:
+        """Run a job (see the module docstring). Raises ``ValueError`` for a bad job,
+        ``PrefillAborted`` / ``PrefillFailed`` when it ends without a result."""
+        self._validate(spec)
+        ident = (spec.request_id, spec.generation)
+        if ident in self._jobs:  # not "drained": the running job may still write there
+            raise PrefillFailed(f"request {spec.request_id!r} generation {spec.generation} is already "
+                                "running", drained=False)
+        if self._history.refuses(*ident):
+            raise PrefillAborted(f"request {spec.request_id!r} generation {spec.generation} was "
+                                 "already aborted, finished or superseded", drained=True)
+        key = f"{spec.request_id}@{spec.generation}"
+        job = _Job(spec, key, asyncio.get_running_loop().create_future())
+        self._jobs[ident], self._by_key[key] = job, job
+        if self.metrics is not None:
+            self.metrics.prompt_tokens.inc(len(spec.prompt_ids))
+        job.task = asyncio.create_task(self._run(job))
+        try:
+            return await asyncio.shield(job.task)
+        except asyncio.CancelledError:  # the caller went away: abort the job, do not cut it short
+            if not job.task.done():
+                self._abort_in_background(spec.request_id, spec.generation)
+            raise
+
+    def _validate(self, spec: PrefillJob) -> None:
+        if self._closing:
+            raise PrefillFailed("the prefill worker is shutting down", drained=True)
+        if not spec.prompt_ids:
+            raise ValueError("prompt_ids: a prompt needs at least one token")
+        if spec.transfer_kind != self._backend.kind:
+            raise ValueError(f"transfer_kind: this worker transfers with {self._backend.kind!r}, "
+                             f"the decode worker asked for {spec.transfer_kind!r}")
+        block_size = self._engine.snapshot.block_size
+        need = -(-len(spec.prompt_ids) // block_size)
+        if len(spec.dest_block_ids) != need:
+            raise ValueError(f"dest_block_ids: {len(spec.prompt_ids)} prompt tokens need {need} blocks "
+                             f"of {block_size}, got {len(spec.dest_block_ids)}")
+
+    async def _run(self, job: _Job) -> PrefillResult:
+        spec, drained = job.spec, True
+        try:
+            try:
+                peer = await asyncio.to_thread(self._backend.connect, spec.decode_target)
+            except (TransferError, ValueError, OSError) as e:
+                raise PrefillFailed(f"cannot connect to the decode worker's KV buffer: {e}", drained=True) from e
+            self._raise_if_aborted(job)
+            job.stage = "compute"
+            params = dataclasses.replace(spec.params, max_tokens=1, stop=())  # stop strings: decode's job
+            prompt = list(spec.prompt_ids)
+            await self._engine.submit(lambda e: e.add_request(job.key, prompt, params, hold_blocks=True))
+            held = await job.held
+            try:
+                self._raise_if_aborted(job)
+                job.stage = "transfer"
+                return await self._transfer(job, peer, held)
+            finally:
+                drained = job.handle is None or job.handle.drained
+                self._engine.submit_nowait(lambda e: e.release(job.key))  # the write is final here
+        except PrefillError as e:
+            drained = e.drained
+            raise
+        finally:
+            job.drained = drained
+            self._history.record(spec.request_id, spec.generation, drained)
+            del self._jobs[(spec.request_id, spec.generation)], self._by_key[job.key]
+
+    async def _transfer(self, job: _Job, peer: str, held: _Held) -> PrefillResult:
+        spec = job.spec
+        src, dst = held.block_ids[: len(spec.dest_block_ids)], list(spec.dest_block_ids)
+        stamp = TransferStamp(spec.request_id, spec.generation)
+        if spec.checksum:  # the held source rows do not change until we release them
+            stamp = await asyncio.to_thread(stamp.with_checksum, self._buffer, src)
+            self._raise_if_aborted(job)
+        try:
+            job.handle = handle = self._backend.write(peer, stamp, src, dst)
+        except TransferError as e:  # the write did not start: nothing was sent
+            raise PrefillFailed(f"KV transfer could not start: {e}", drained=True) from e
+        await _final(handle)
+        m = self.metrics
+        if handle.state == "done":
+            if m is not None:
+                m.transfer_bytes.inc(handle.num_bytes)
+                m.transfer_seconds.observe((handle.finished_at or handle.started) - handle.started)
+            self._raise_if_aborted(job)  # done before the cancel landed: drained, but unwanted
+            return PrefillResult(held.first_token, held.first_logprob, held.mtp_hidden, stamp, held.num_cached)
+        if job.abort_reason is not None:
+            raise PrefillAborted(f"aborted during transfer ({job.abort_reason})", drained=handle.drained)
+        if m is not None:
+            m.transfer_failed("writer")
+        raise PrefillFailed(f"KV transfer failed: {handle.error}", drained=handle.drained)
+
+    @staticmethod
+    def _raise_if_aborted(job: _Job) -> None:
+        if job.abort_reason is not None:
+            raise PrefillAborted(f"aborted ({job.abort_reason})", drained=True)
+
+    # --- abort ------------------------------------------------------------------------------------
+
+    async def abort(self, request_id: str, generation: int, reason: str, label: str = "abort_rpc") -> AbortOutcome:
+        """Stop the job now; returns once it has ended (see the module docstring). ``label``: the
+        metrics' reason (a small fixed set; ``reason`` is free text for logs and errors)."""
+        job = self._jobs.get((request_id, generation))
+        if job is None:
+            return AbortOutcome(found=False, drained=self._history.abort(request_id, generation))
+        if job.abort_reason is None:
+            job.abort_reason = reason or "abort"
+            log.info("aborting %s in %s: %s", job.key, job.stage, reason)
+            if self.metrics is not None:
+                self.metrics.abort(job.stage, label)
+            if job.handle is not None:
+                _request_cancel(self._backend, job.handle)
+            elif job.stage == "compute":
+                self._engine.submit_nowait(lambda e: e.abort(job.key))  # frees the blocks when it runs
+                if not job.held.done():
+                    job.held.set_exception(PrefillAborted(f"aborted ({reason})", drained=True))
+        assert job.task is not None
+        await asyncio.wait([job.task])
+        return AbortOutcome(found=True, drained=job.drained)
+
+    def _abort_in_background(self, request_id: str, generation: int) -> None:
+        task = asyncio.create_task(self.abort(request_id, generation, "caller cancelled", "caller_cancelled"))
+        self._background.add(task)  # a reference, so the task is not collected mid-way
+        task.add_done_callback(self._background.discard)
+
+    async def close(self) -> None:
+        """Abort every job (drained or failed), then stop the engine and the backend."""
+        self._closing = True
+        await asyncio.gather(*(self.abort(r, g, "shutdown", "shutdown") for r, g in list(self._jobs)))
+        await self._engine.stop()
+        self._backend.close()
+
+    # --- engine thread hooks ----------------------------------------------------------------------
+
+    def _on_step(self, engine: Engine, outputs: list[StepOutput]) -> None:
+        for out in outputs:
+            req = engine.held.get(out.request_id) if out.finished else None
+            if req is None:
+                continue
+            held = _Held(
+                block_ids=list(req.block_ids),
+                first_token=req.output_ids[0],
+                first_logprob=req.output_logprobs[0] if req.output_logprobs else None,
+                mtp_hidden=req.last_hidden.detach().float().contiguous().numpy().tobytes(),
+                num_cached=req.num_cached_prompt,
+            )
+            self._engine.post(self._held, out.request_id, held)
+
+    def _on_step_error(self, engine: Engine, error: BaseException) -> None:
+        failed = list(engine.requests)
+        for key in failed:
+            engine.abort(key)
+        self._engine.post(self._failed, failed, f"engine step failed: {error!r}")
+
+    def _held(self, key: str, held: _Held) -> None:
+        job = self._by_key.get(key)
+        if job is None:  # the job is gone (it raised): its blocks must not stay held
+            self._engine.submit_nowait(lambda e: e.release(key))
+        elif not job.held.done():
+            job.held.set_result(held)
+
+    def _failed(self, keys: list[str], message: str) -> None:
+        for key in keys:
+            job = self._by_key.get(key)
+            if job is not None and not job.held.done():
+                job.held.set_exception(PrefillFailed(message, drained=True))
+
+
+def _request_cancel(backend: KVTransferBackend, handle: TransferHandle) -> None:
+    """Ask the write to stop without blocking the loop; the job sees it end through ``_final``."""
+
+    def cancel() -> None:
+        try:
+            backend.cancel(handle)
+        except TransferError as e:  # not drained: the handle says so, the job reports it
+            log.warning("cancel of %s: %s", handle, e)
+
+    threading.Thread(target=cancel, name="kv-cancel", daemon=True).start()
+
+
+async def _final(handle: TransferHandle) -> None:
+    """Wait (off the loop) until the write is done or failed; backends always get there."""
+    loop = asyncio.get_running_loop()
+    final: asyncio.Future[None] = loop.create_future()
+
+    def wait() -> None:
+        handle.wait()
+        loop.call_soon_threadsafe(lambda: final.done() or final.set_result(None))
+
+    threading.Thread(target=wait, name="kv-wait", daemon=True).start()
+    await final

@@ -1,0 +1,299 @@
+"""DisaggregatedBackend: the router's `GenerationBackend` over prefill and decode workers (gRPC).
+
+Per request: pick a decode and a prefill worker (`WorkerPool`), give the attempt a fresh
+*generation*, open ``Decode.Generate`` naming the prefill worker; decode drives prefill and the KV
+transfer and streams tokens back. The router itself only polls ``Health`` on the workers.
+
+Failures, from the router's point of view:
+
+- The call fails (UNAVAILABLE / RESOURCE_EXHAUSTED) before any event: nothing reached the client,
+  so the request is retried on another decode worker with a new, larger generation (DESIGN
+  invariant 3); with none left, `BackendUnavailable` (the router answers 503).
+- A decode worker dies mid-stream: the stream ends at once with ``finish_reason="error"``; the
+  worker is marked failed (not chosen until a Health poll started afterwards answers ready).
+- An error event from decode (e.g. its prefill worker died): that prefill worker is re-polled at
+  once, so a dead one leaves the choice within a round trip instead of a poll interval.
+- ``abort`` / the consumer leaving: the call is cancelled, which aborts the request in decode and
+  prefill at once; an open stream ends with ``finish_reason="abort"``.
+Nothing blocks the event loop (grpc.aio throughout). A kvstore that is down does not stop serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import AsyncIterator, Coroutine, Sequence
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from glmserve.engine.sampling_params import SamplingParams
+from glmserve.proto_gen.glmserve.common.v1 import generation_pb2 as common_pb
+from glmserve.proto_gen.glmserve.decode.v1 import decode_pb2 as decode_pb
+from glmserve.proto_gen.glmserve.decode.v1 import decode_pb2_grpc as decode_grpc
+from glmserve.proto_gen.glmserve.kvstore.v1 import kvstore_pb2 as kvstore_pb
+from glmserve.proto_gen.glmserve.kvstore.v1 import kvstore_pb2_grpc as kvstore_grpc
+from glmserve.proto_gen.glmserve.prefill.v1 import prefill_pb2 as prefill_pb
+from glmserve.proto_gen.glmserve.prefill.v1 import prefill_pb2_grpc as prefill_grpc
+from glmserve.services import sampling_proto
+from glmserve.services.router.backend import BackendUnavailable, GenerationBackend, GenerationEvent
+from glmserve.services.router.worker_pool import HealthReport, WorkerPool, WorkerView
+
+log = logging.getLogger(__name__)
+
+# Reconnect quickly after a worker restarts (gRPC's default backoff grows to 120 s).
+_CHANNEL_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+]
+_RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
+
+
+def event_from_proto(request_id: str, msg: decode_pb.GenerateEvent) -> GenerationEvent:
+    return GenerationEvent(
+        request_id, list(msg.token_ids), list(msg.logprobs), msg.finished,
+        msg.finish_reason or None, msg.num_cached_tokens, msg.error or None,
+    )
+
+
+def _error_event(request_id: str, message: str) -> GenerationEvent:
+    return GenerationEvent(request_id, finished=True, finish_reason="error", error=message)
+
+
+@dataclass
+class _Stream:
+    """One running request: the live call (None between attempts) and whether it was aborted."""
+
+    call: grpc.aio.UnaryStreamCall | None = None
+    aborted: bool = False
+
+
+class DisaggregatedBackend(GenerationBackend):
+    """`GenerationBackend` over decode workers at ``decode`` and prefill workers at ``prefill``
+    (``host:port`` each); see the module docstring. ``kvstore``: the block index service, polled
+    for its health (prefix-aware routing will read it). Create and use it inside one event loop."""
+
+    def __init__(
+        self,
+        decode: Sequence[str],
+        prefill: Sequence[str],
+        kvstore: str | None = None,
+        *,
+        poll_interval_s: float = 0.5,
+        health_timeout_s: float = 1.0,
+        max_attempts: int = 3,
+    ):
+        if poll_interval_s <= 0 or health_timeout_s <= 0 or max_attempts < 1:
+            raise ValueError("poll_interval_s, health_timeout_s: must be > 0; max_attempts: >= 1")
+        self.decode_pool = WorkerPool("decode", decode)
+        self.prefill_pool = WorkerPool("prefill", prefill)
+        self.kvstore_address = kvstore
+        self.kvstore_up: bool | None = None  # None: not configured or not polled yet
+        self._poll_interval_s, self._health_timeout_s = poll_interval_s, health_timeout_s
+        self._max_attempts = max_attempts
+        self._generations = itertools.count(1)  # later attempts get larger numbers
+        self._streams: dict[str, _Stream] = {}
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._tasks: set[asyncio.Task[None]] = set()  # the poller and one-off re-polls
+        self._started = self._closed = False
+
+    # --- GenerationBackend ------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self._started:
+            return
+        self._started = True
+        kvstore = [self.kvstore_address] if self.kvstore_address is not None else []
+        for address in {*self.decode_pool.addresses, *self.prefill_pool.addresses, *kvstore}:
+            self._channels[address] = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        self._spawn(self._poll_forever())
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for task in list(self._tasks):
+            task.cancel()
+        for stream in self._streams.values():  # each open stream ends with "abort"
+            stream.aborted = True
+            if stream.call is not None:
+                stream.call.cancel()
+        await asyncio.sleep(0)  # let the streams see their cancellation before the channels go
+        for channel in self._channels.values():
+            await channel.close()
+
+    def ready(self) -> bool:
+        return (self._started and not self._closed
+                and self.decode_pool.any_healthy() and self.prefill_pool.any_healthy())
+
+    async def abort(self, request_id: str) -> None:
+        stream = self._streams.get(request_id)
+        if stream is None:
+            return
+        stream.aborted = True
+        if stream.call is not None:
+            stream.call.cancel()  # decode sees the cancellation and aborts prefill and transfer
+
+    async def generate(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[GenerationEvent]:
+        if not self._started or self._closed:
+            raise BackendUnavailable("the router is not connected to workers")
+        if request_id in self._streams:
+            raise ValueError(f"request_id: {request_id!r} is already running")
+        stream = self._streams[request_id] = _Stream()
+        finished = False
+        try:
+            async with aclosing(self._attempts(request_id, stream, prompt_ids, params)) as events:
+                async for event in events:
+                    finished = event.finished
+                    yield event
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished and stream.call is not None:  # the consumer left early
+                stream.call.cancel()
+
+    def workers(self) -> list[tuple[str, WorkerView]]:
+        """(kind, snapshot) of every worker, for logs and tests."""
+        return [(p.kind, v) for p in (self.prefill_pool, self.decode_pool) for v in p.views()]
+
+    # --- one request --------------------------------------------------------------------------------
+
+    async def _attempts(
+        self, request_id: str, stream: _Stream, prompt_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[GenerationEvent]:
+        """Try decode workers until one streams (see the module docstring for the failure rules)."""
+        tried: list[str] = []
+        sampling = sampling_proto.to_proto(params)
+        while True:
+            decode = self.decode_pool.choose(exclude=tried)
+            prefill = self.prefill_pool.choose()
+            if decode is None or prefill is None:
+                raise BackendUnavailable(f"no healthy {'decode' if decode is None else 'prefill'} worker")
+            if stream.aborted:
+                yield GenerationEvent(request_id, finished=True, finish_reason="abort")
+                return
+            request = decode_pb.GenerateRequest(
+                transfer=common_pb.TransferId(request_id=request_id, generation=next(self._generations)),
+                prompt_ids=prompt_ids, sampling=sampling, prefill_target=prefill,
+            )
+            stream.call = decode_grpc.DecodeStub(self._channels[decode]).Generate(request)
+            outcome: list[grpc.aio.AioRpcError] = []
+            async with aclosing(self._relay(request_id, stream, decode, prefill, outcome)) as events:
+                async for event in events:
+                    yield event
+            if not outcome:
+                return
+            stream.call = None
+            tried.append(decode)
+            if len(tried) >= self._max_attempts:
+                raise BackendUnavailable(f"decode workers refused the request: {outcome[0].details()}")
+
+    async def _relay(
+        self, request_id: str, stream: _Stream, decode: str, prefill: str,
+        retry: list[grpc.aio.AioRpcError],
+    ) -> AsyncIterator[GenerationEvent]:
+        """Events of one attempt, ending with a final event; or nothing, with the error appended to
+        ``retry``, when the call failed retryably before its first event."""
+        self.decode_pool.acquire(decode)
+        self.prefill_pool.acquire(prefill)  # prefill is busy until decode's first event
+        holds_prefill, got_event = True, False
+        try:
+            while True:
+                msg = await stream.call.read()
+                if holds_prefill:
+                    self.prefill_pool.release(prefill)
+                    holds_prefill = False
+                if msg is grpc.aio.EOF:
+                    yield _error_event(request_id, f"decode worker {decode} ended the stream early")
+                    return
+                event = event_from_proto(request_id, msg)
+                got_event = True
+                if event.finish_reason == "error":
+                    self._recheck(self.prefill_pool, prefill)
+                yield event
+                if event.finished:
+                    return
+        except grpc.aio.AioRpcError as e:
+            if stream.aborted and e.code() == grpc.StatusCode.CANCELLED:
+                yield GenerationEvent(request_id, finished=True, finish_reason="abort")
+                return
+            if e.code() == grpc.StatusCode.UNAVAILABLE:  # the worker is gone or unreachable
+                self._suspect(self.decode_pool, decode, f"{e.code().name}: {e.details()}")
+            if not got_event and e.code() in _RETRYABLE:
+                retry.append(e)
+                return
+            yield _error_event(request_id, f"decode worker {decode} failed: {e.code().name}: {e.details()}")
+        except asyncio.CancelledError:
+            # grpc.aio raises CancelledError from read() after call.cancel(); a cancellation of
+            # this task itself (cancelling() > 0) must propagate.
+            task = asyncio.current_task()
+            if stream.aborted and task is not None and task.cancelling() == 0:
+                yield GenerationEvent(request_id, finished=True, finish_reason="abort")
+                return
+            raise
+        finally:
+            self.decode_pool.release(decode)
+            if holds_prefill:
+                self.prefill_pool.release(prefill)
+
+    # --- health -----------------------------------------------------------------------------------
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _suspect(self, pool: WorkerPool, address: str, reason: str) -> None:
+        """Stop choosing ``address`` now and ask its Health at once (it may be back already)."""
+        if pool.mark_failed(address, reason):
+            log.warning("%s worker %s marked unhealthy: %s", pool.kind, address, reason)
+        self._recheck(pool, address)
+
+    def _recheck(self, pool: WorkerPool, address: str) -> None:
+        if not self._closed:
+            self._spawn(self._poll(pool, address))
+
+    async def _poll_forever(self) -> None:
+        while True:
+            polls = [self._poll(p, a) for p in (self.decode_pool, self.prefill_pool) for a in p.addresses]
+            try:
+                await asyncio.gather(*polls, self._poll_kvstore())
+            except Exception:  # a bug: keep polling, or every worker would look healthy forever
+                log.exception("health poll failed")
+            await asyncio.sleep(self._poll_interval_s)
+
+    async def _poll(self, pool: WorkerPool, address: str) -> None:
+        epoch = pool.epoch(address)
+        stub_type = decode_grpc.DecodeStub if pool is self.decode_pool else prefill_grpc.PrefillStub
+        request = decode_pb.HealthRequest() if pool is self.decode_pool else prefill_pb.HealthRequest()
+        report, error, slow = None, None, False
+        try:
+            reply = await stub_type(self._channels[address]).Health(request, timeout=self._health_timeout_s)
+            report = HealthReport(reply.ready, reply.worker_id, reply.running, reply.waiting, reply.free_blocks)
+        except grpc.aio.AioRpcError as e:
+            error, slow = f"health: {e.code().name}: {e.details()}", e.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        if pool.report(address, report, epoch, error, slow):
+            if pool.is_healthy(address):
+                log.info("%s worker %s is healthy", pool.kind, address)
+            else:
+                log.warning("%s worker %s is unhealthy: %s", pool.kind, address, error or "not ready")
+
+    async def _poll_kvstore(self) -> None:
+        if self.kvstore_address is None:
+            return
+        stub = kvstore_grpc.KVStoreStub(self._channels[self.kvstore_address])
+        try:
+            reply = await stub.Health(kvstore_pb.HealthRequest(), timeout=self._health_timeout_s)
+            up = reply.index_up
+        except grpc.aio.AioRpcError:
+            up = False
+        if up != self.kvstore_up:
+            log.log(logging.INFO if up else logging.WARNING, "kvstore %s is %s",
+                    self.kvstore_address, "up" if up else "down")
+        self.kvstore_up = up

@@ -1,0 +1,147 @@
+"""The router process: ``python -m glmserve.services.router.main --model DIR --host H --port P
+--decode host:port[,host:port...] --prefill host:port[,...] [--kvstore host:port] [--api-key K ...]``.
+
+Serves the OpenAI API (`app.create_app`) over a `DisaggregatedBackend`. The tokenizer, chat
+template and context length come from ``--model`` (no weights are read; torch is never imported).
+``--port 0`` takes a free port. Prints ``READY http://host:port`` on stdout once it accepts HTTP
+(``/ready`` turns 200 when a prefill and a decode worker answer Health). SIGTERM / SIGINT stop it:
+open streams end with an abort, then the process exits with status 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import signal
+import socket
+import sys
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import uvicorn
+
+from glmserve.services.router.app import create_app
+from glmserve.services.router.grpc_backend import DisaggregatedBackend
+from glmserve.services.router.worker_pool import check_address
+from glmserve.text.tokenizer import Tokenizer
+
+log = logging.getLogger("glmserve.router")
+
+
+def address_list(value: str) -> list[str]:
+    return [check_address(a.strip()) for a in value.split(",") if a.strip()]
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    model: Path
+    decode: tuple[str, ...]
+    prefill: tuple[str, ...]
+    host: str = "127.0.0.1"
+    port: int = 8000  # 0: any free port (printed in the READY line)
+    kvstore: str | None = None
+    api_keys: tuple[str, ...] = field(default=())
+    served_model_name: str | None = None  # default: the model directory's name
+    poll_interval_s: float = 0.5
+    graceful_shutdown_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if not (self.model / "config.json").is_file():
+            raise ValueError(f"model: no config.json in {self.model}")
+        if not self.decode:
+            raise ValueError("decode: at least one decode worker address is needed")
+        if not self.prefill:
+            raise ValueError("prefill: at least one prefill worker address is needed")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port: must be in [0, 65535], got {self.port}")
+        if self.kvstore is not None:
+            check_address(self.kvstore)
+        if self.poll_interval_s <= 0:
+            raise ValueError(f"poll_interval_s: must be > 0, got {self.poll_interval_s}")
+
+    @classmethod
+    def from_args(cls, argv: Sequence[str] | None = None) -> RouterConfig:
+        p = argparse.ArgumentParser(prog="python -m glmserve.services.router.main",
+                                    description="glmserve router: the OpenAI API over prefill/decode workers")
+        p.add_argument("--model", type=Path, required=True, help="model dir (tokenizer, config)")
+        p.add_argument("--host", default=cls.host)
+        p.add_argument("--port", type=int, default=cls.port)
+        p.add_argument("--decode", type=address_list, required=True, help="host:port[,host:port...]")
+        p.add_argument("--prefill", type=address_list, required=True, help="host:port[,host:port...]")
+        p.add_argument("--kvstore", default=None, help="host:port of the kvstore service")
+        p.add_argument("--api-key", action="append", default=[], dest="api_keys",
+                       help="require this key (repeatable)")
+        p.add_argument("--served-model-name", default=None)
+        p.add_argument("--poll-interval", type=float, default=cls.poll_interval_s, dest="poll_interval_s")
+        a = p.parse_args(argv)
+        return cls(a.model, tuple(a.decode), tuple(a.prefill), a.host, a.port, a.kvstore,
+                   tuple(a.api_keys), a.served_model_name, a.poll_interval_s)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, except that a stop by SIGTERM / SIGINT ends with status 0: uvicorn re-raises
+    the signal after its graceful shutdown, which a launcher would read as a crash (143)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """A listening socket bound now, so the port (free one for 0) is known before serving."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    return sock
+
+
+async def serve(config: RouterConfig) -> bool:
+    """Run the router until SIGTERM / SIGINT (uvicorn's handlers); False if it never started."""
+    model_config = json.loads((config.model / "config.json").read_text())
+    tokenizer = await asyncio.to_thread(Tokenizer.from_dir, config.model)
+    backend = DisaggregatedBackend(config.decode, config.prefill, config.kvstore,
+                                   poll_interval_s=config.poll_interval_s)
+    app = create_app(backend, tokenizer, model_name=config.served_model_name or config.model.name,
+                     api_keys=list(config.api_keys) or None,
+                     max_context=model_config["max_position_embeddings"])
+    sock = _bind(config.host, config.port)
+    port = sock.getsockname()[1]
+    server = _Server(uvicorn.Config(app, log_level="warning",
+                                           timeout_graceful_shutdown=config.graceful_shutdown_s))
+    serving = asyncio.create_task(server.serve(sockets=[sock]))
+    while not server.started and not serving.done():
+        await asyncio.sleep(0.02)
+    if server.started:
+        url = f"http://{config.host}:{port}"
+        log.info("router serving at %s; decode %s; prefill %s; kvstore %s", url, ",".join(config.decode),
+                 ",".join(config.prefill), config.kvstore or "none")
+        print(f"READY {url}", flush=True)
+    await serving
+    return server.started
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = RouterConfig.from_args(argv)
+    except ValueError as e:
+        print(f"router: {e}", file=sys.stderr)
+        return 2
+    if not asyncio.run(serve(config)):
+        log.error("router failed to start")
+        return 1
+    log.info("router stopped")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

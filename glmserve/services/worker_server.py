@@ -1,0 +1,117 @@
+"""What the prefill and decode worker processes share: common flags, the transfer backend choice,
+and the process life (load, serve gRPC, print READY, stop cleanly on SIGTERM / SIGINT).
+
+Life of a worker process (``run_worker``):
+1. build the worker and start it (the engine loads on its thread; a signal meanwhile stops it);
+2. serve gRPC (grpc.aio) on ``--host:--port`` (0: a free port) and metrics on ``--metrics-port``;
+3. print ``READY <host>:<port>`` on stdout (flushed; logs go to stderr), the launcher's cue;
+4. on SIGTERM / SIGINT: ``worker.close()`` first (aborts what runs; a prefill worker drains its
+   transfers while its Abort RPC still answers), then stop the server, then the metrics endpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import grpc
+from prometheus_client import CollectorRegistry, start_http_server
+
+from glmserve.kv.transfer import KVTransferBackend, make_backend, nixl_unavailable_reason
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TRANSFER_TIMEOUT_S = 50.0  # a write is final within this + the drain timeout (5 s)
+GRACE_S = 2.0  # how long in-flight RPCs may finish on shutdown
+
+
+class Worker(Protocol):
+    async def start(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+def add_common_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="model directory (config, safetensors, tokenizer)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0, help="gRPC port; 0 picks a free one")
+    p.add_argument("--worker-id", required=True)
+    p.add_argument("--transfer", choices=("auto", "nixl", "tcp"), default="auto",
+                   help="KV transfer: NIXL when it imports (auto), or TCP")
+    p.add_argument("--metrics-port", type=int, default=None, help="Prometheus endpoint (off if absent)")
+    p.add_argument("--kv-cache-bytes", type=int, default=None, help="KV cache size (engine default if absent)")
+
+
+def check_port(field: str, value: int | None) -> None:
+    if value is not None and not 0 <= value <= 65535:
+        raise ValueError(f"{field}: must be in [0, 65535], got {value}")
+
+
+def build_backend(kind: str, host: str, timeout_s: float) -> KVTransferBackend:
+    """The transfer backend ``kind`` asks for (auto: NIXL when it imports); a TCP receiver listens on
+    ``host``. Writes are failed and fenced after ``timeout_s`` (the agreed timeout's writer half)."""
+    if kind == "auto":
+        reason = nixl_unavailable_reason()
+        kind = "nixl" if reason is None else "tcp"
+        if reason is not None:
+            log.info("KV transfer: NIXL unavailable (%s), using TCP", reason)
+    options: dict[str, Any] = {"timeout_s": timeout_s}
+    if kind == "tcp":
+        options["host"] = host
+    return make_backend(kind, **options)
+
+
+def setup_logging() -> None:
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+async def run_worker(
+    worker: Worker,
+    add_servicer: Callable[[grpc.aio.Server], None],
+    *,
+    host: str,
+    port: int,
+    registry: CollectorRegistry | None,
+    metrics_port: int | None,
+    name: str,
+) -> int:
+    """Runs the process's worker until SIGTERM / SIGINT (see the module docstring); exit status."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    starting = asyncio.create_task(worker.start())
+    stopping = asyncio.create_task(stop.wait())
+    await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    if not starting.done():
+        log.info("%s: stopped while loading", name)
+        starting.cancel()
+        return 0
+    stopping.cancel()
+    starting.result()  # a load error ends the process here, with its traceback
+    server = grpc.aio.server()
+    add_servicer(server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    await server.start()
+    http = None
+    if metrics_port is not None and registry is not None:
+        http, _ = start_http_server(metrics_port, addr=host, registry=registry)
+    log.info("%s serving on %s:%d; metrics: %s", name, host, bound,
+             f"{host}:{http.server_port}" if http is not None else "off")
+    print(f"READY {host}:{bound}", flush=True)
+    try:
+        await stop.wait()
+    finally:
+        log.info("%s stopping", name)
+        await worker.close()
+        await server.stop(GRACE_S)
+        if http is not None:
+            http.shutdown()
+        log.info("%s stopped", name)
+    return 0

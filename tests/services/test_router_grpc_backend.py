@@ -1,0 +1,335 @@
+"""DisaggregatedBackend against fake decode / prefill gRPC servers (no model, no torch).
+
+In-process fakes (same event loop as the backend) cover streaming, abort and retry; a fake in a
+subprocess (this file run as a script: ``python test_router_grpc_backend.py --port 0 ...``) is
+killed with SIGKILL for the worker-death test and serves the router's HTTP tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import grpc
+import httpx
+import pytest
+
+from glmserve.engine.sampling_params import SamplingParams
+from glmserve.proto_gen.glmserve.decode.v1 import decode_pb2 as decode_pb
+from glmserve.proto_gen.glmserve.decode.v1 import decode_pb2_grpc as decode_grpc
+from glmserve.proto_gen.glmserve.prefill.v1 import prefill_pb2 as prefill_pb
+from glmserve.proto_gen.glmserve.prefill.v1 import prefill_pb2_grpc as prefill_grpc
+from glmserve.services.router.backend import BackendUnavailable, GenerationEvent
+from glmserve.services.router.grpc_backend import DisaggregatedBackend
+
+REPO = Path(__file__).resolve().parents[2]
+TOKENS = [11, 12, 13, 14, 15]
+
+
+class FakeDecode(decode_grpc.DecodeServicer):
+    """Streams ``tokens`` (one per event, ``delay_s`` apart, at most max_tokens); records requests
+    and the request ids whose call was cancelled; ``fail`` refuses every Generate with that code."""
+
+    def __init__(self, tokens: list[int], delay_s: float = 0.01, free_blocks: int = 100,
+                 fail: grpc.StatusCode | None = None):
+        self.tokens, self.delay_s, self.free_blocks, self.fail = tokens, delay_s, free_blocks, fail
+        self.requests: list[decode_pb.GenerateRequest] = []
+        self.running: set[str] = set()
+        self.cancelled: list[str] = []
+
+    async def Generate(self, request, context):
+        self.requests.append(request)
+        if self.fail is not None:
+            await context.abort(self.fail, "fake refusal")
+        rid = request.transfer.request_id
+        self.running.add(rid)
+        n = min(len(self.tokens), request.sampling.max_tokens)
+        try:
+            for i, token in enumerate(self.tokens[:n]):
+                await asyncio.sleep(self.delay_s)
+                last = i == n - 1
+                reason = ("length" if n == request.sampling.max_tokens else "stop") if last else ""
+                yield decode_pb.GenerateEvent(
+                    token_ids=[token], logprobs=[-0.5] if request.sampling.HasField("logprobs") else [],
+                    finished=last, finish_reason=reason, num_cached_tokens=2,
+                )
+        except asyncio.CancelledError:
+            self.cancelled.append(rid)
+            raise
+        finally:
+            self.running.discard(rid)
+
+    async def Health(self, request, context):
+        return decode_pb.HealthReply(ready=True, worker_id="decode-fake", running=len(self.running),
+                                     free_blocks=self.free_blocks)
+
+
+class FakePrefill(prefill_grpc.PrefillServicer):
+    def __init__(self) -> None:
+        self.ready = True
+
+    async def Health(self, request, context):
+        return prefill_pb.HealthReply(ready=self.ready, worker_id="prefill-fake", free_blocks=100)
+
+
+async def start_fake(decode: FakeDecode | None = None, prefill: FakePrefill | None = None,
+                     port: int = 0) -> tuple[grpc.aio.Server, str]:
+    server = grpc.aio.server()
+    if decode is not None:
+        decode_grpc.add_DecodeServicer_to_server(decode, server)
+    if prefill is not None:
+        prefill_grpc.add_PrefillServicer_to_server(prefill, server)
+    bound = server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    return server, f"127.0.0.1:{bound}"
+
+
+async def eventually(check: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.02)
+
+
+def healthy(backend: DisaggregatedBackend, address: str, kind: str = "decode") -> bool:
+    return any(k == kind and v.address == address and v.healthy for k, v in backend.workers())
+
+
+async def collect(stream) -> list[GenerationEvent]:
+    return [event async for event in stream]
+
+
+def run(coro_fn: Callable[[], Awaitable[None]]) -> None:
+    asyncio.run(asyncio.wait_for(coro_fn(), 30))
+
+
+def test_streams_events_and_sends_the_request_contract() -> None:
+    async def scenario() -> None:
+        decode, prefill = FakeDecode(TOKENS), FakePrefill()
+        d_server, d_addr = await start_fake(decode=decode)
+        p_server, p_addr = await start_fake(prefill=prefill)
+        backend = DisaggregatedBackend([d_addr], [p_addr], poll_interval_s=0.05)
+        assert not backend.ready()  # no Health answer yet
+        await backend.start()
+        await eventually(backend.ready)
+        params = SamplingParams(max_tokens=3, temperature=0.0, seed=2**64 - 1, stop=("x",), logprobs=1)
+        events = await collect(backend.generate("r1", [5, 6, 7], params))
+        assert [e.token_ids for e in events] == [[11], [12], [13]]
+        assert events[-1].finished and events[-1].finish_reason == "length"
+        assert all(e.logprobs == [-0.5] and e.num_cached_tokens == 2 for e in events)
+        assert not any(e.finished for e in events[:-1])
+        sent = decode.requests[0]
+        assert sent.transfer.request_id == "r1" and sent.transfer.generation >= 1
+        assert list(sent.prompt_ids) == [5, 6, 7] and sent.prefill_target == p_addr
+        assert sent.sampling.seed == -1 and list(sent.sampling.stop) == ["x"] and sent.sampling.logprobs == 1
+        await collect(backend.generate("r2", [1], SamplingParams(max_tokens=1)))
+        assert decode.requests[1].transfer.generation > sent.transfer.generation
+        assert not decode.requests[1].sampling.HasField("seed")
+        prefill.ready = False  # a worker that says "not ready" is not chosen
+        await eventually(lambda: not backend.ready())
+        with pytest.raises(BackendUnavailable):
+            await collect(backend.generate("r3", [1], SamplingParams(max_tokens=1)))
+        await backend.close()
+        assert not backend.ready()
+        await d_server.stop(None)
+        await p_server.stop(None)
+
+    run(scenario)
+
+
+def test_abort_and_early_close_cancel_the_call() -> None:
+    async def scenario() -> None:
+        decode = FakeDecode(list(range(100, 200)), delay_s=0.05)
+        server, addr = await start_fake(decode=decode, prefill=FakePrefill())
+        backend = DisaggregatedBackend([addr], [addr], poll_interval_s=0.05)
+        await backend.start()
+        await eventually(backend.ready)
+        params = SamplingParams(max_tokens=100)
+        stream = backend.generate("a1", [1, 2], params)
+        first = await anext(stream)
+        assert first.token_ids == [100]
+        start = time.monotonic()
+        await backend.abort("a1")
+        rest = await collect(stream)
+        assert rest[-1].finished and rest[-1].finish_reason == "abort"
+        assert time.monotonic() - start < 0.5
+        await eventually(lambda: "a1" in decode.cancelled)
+        await backend.abort("a1")  # idempotent, also for unknown ids
+        await backend.abort("never-ran")
+
+        stream = backend.generate("a2", [1], params)
+        await anext(stream)
+        await stream.aclose()  # the consumer left: the backend cancels by itself
+        await eventually(lambda: "a2" in decode.cancelled and not decode.running)
+        assert all(v.inflight == 0 for _, v in backend.workers())
+
+        stream = backend.generate("a3", [1], params)  # open streams end with "abort" on close
+        await anext(stream)
+        await backend.close()
+        assert (await collect(stream))[-1].finish_reason == "abort"
+        await server.stop(None)
+
+    run(scenario)
+
+
+def test_refused_before_the_first_event_retries_elsewhere_with_a_new_generation() -> None:
+    async def scenario() -> None:
+        refusing = FakeDecode(TOKENS, free_blocks=500, fail=grpc.StatusCode.UNAVAILABLE)
+        good = FakeDecode(TOKENS, free_blocks=100)
+        s1, refusing_addr = await start_fake(decode=refusing, prefill=FakePrefill())
+        s2, good_addr = await start_fake(decode=good)
+        backend = DisaggregatedBackend([refusing_addr, good_addr], [refusing_addr], poll_interval_s=0.05)
+        await backend.start()
+        await eventually(lambda: healthy(backend, refusing_addr) and healthy(backend, good_addr))
+        events = await collect(backend.generate("t1", [1], SamplingParams(max_tokens=2)))
+        assert [e.token_ids for e in events] == [[11], [12]]
+        assert len(refusing.requests) == 1 and len(good.requests) == 1  # more free blocks: tried first
+        assert good.requests[0].transfer.generation > refusing.requests[0].transfer.generation
+        # Its Health still answers ready, so it is chosen again after the next poll.
+        await eventually(lambda: healthy(backend, refusing_addr))
+        await s2.stop(None)  # now every decode worker refuses: 503, not an error stream
+        await eventually(lambda: not healthy(backend, good_addr))
+        with pytest.raises(BackendUnavailable):
+            await collect(backend.generate("t2", [1], SamplingParams(max_tokens=2)))
+        await backend.close()
+        await s1.stop(None)
+
+    run(scenario)
+
+
+# --- a fake worker in its own process --------------------------------------------------------------
+
+
+def start_fake_process(port: int = 0, tokens: list[int] = TOKENS, delay_s: float = 0.01,
+                       free_blocks: int = 100) -> tuple[subprocess.Popen[str], str]:
+    """This file as a script: a fake decode + prefill server; returns (process, host:port)."""
+    cmd = [sys.executable, __file__, "--port", str(port), "--tokens", ",".join(map(str, tokens)),
+           "--delay", str(delay_s), "--free-blocks", str(free_blocks)]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env, cwd=REPO)
+    line = proc.stdout.readline()
+    assert line.startswith("READY "), f"fake worker did not start: {line!r}"
+    return proc, line.split()[1]
+
+
+def stop_process(proc: subprocess.Popen[str]) -> None:
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait(timeout=10)
+
+
+def test_decode_death_mid_stream_errors_promptly_then_recovers() -> None:
+    doomed, doomed_addr = start_fake_process(tokens=list(range(100, 400)), delay_s=0.02, free_blocks=500)
+    other, other_addr = start_fake_process(free_blocks=100)
+    try:
+        async def scenario() -> None:
+            backend = DisaggregatedBackend([doomed_addr, other_addr], [other_addr], poll_interval_s=0.1)
+            await backend.start()
+            await eventually(lambda: healthy(backend, doomed_addr) and healthy(backend, other_addr))
+            stream = backend.generate("k1", [1], SamplingParams(max_tokens=300))
+            assert (await anext(stream)).token_ids == [100]  # on the doomed worker: more free blocks
+            os.kill(doomed.pid, signal.SIGKILL)
+            killed = time.monotonic()
+            rest = await collect(stream)
+            assert rest[-1].finished and rest[-1].finish_reason == "error" and rest[-1].error
+            assert time.monotonic() - killed < 2.0
+            assert not healthy(backend, doomed_addr) and backend.ready()
+            # New requests go to the remaining worker, repeatedly.
+            for i in range(3):
+                events = await collect(backend.generate(f"k2-{i}", [1], SamplingParams(max_tokens=2)))
+                assert events[-1].finish_reason == "length"
+            # A worker back on the same address is used again once its Health answers.
+            revived, _ = start_fake_process(port=int(doomed_addr.rsplit(":", 1)[1]), free_blocks=500)
+            try:
+                await eventually(lambda: healthy(backend, doomed_addr), timeout_s=10)
+                events = await collect(backend.generate("k3", [1], SamplingParams(max_tokens=2)))
+                assert [e.token_ids for e in events] == [[11], [12]]
+            finally:
+                stop_process(revived)
+            await backend.close()
+
+        run(scenario)
+    finally:
+        stop_process(doomed)
+        stop_process(other)
+
+
+# --- through the router's HTTP API ------------------------------------------------------------------
+
+
+def _app(backend: DisaggregatedBackend):
+    from router_fixtures import MODEL_DIR
+
+    from glmserve.services.router.app import create_app
+    from glmserve.text.tokenizer import Tokenizer
+
+    return create_app(backend, Tokenizer.from_dir(MODEL_DIR), "glm52-tiny", max_context=4096)
+
+
+def test_router_answers_503_when_no_worker_is_ready() -> None:
+    from router_fixtures import free_port, serve
+
+    dead = f"127.0.0.1:{free_port()}"
+    with serve(_app(DisaggregatedBackend([dead], [dead], poll_interval_s=0.1)), ready_path=None) as base:
+        assert httpx.get(f"{base}/ready").status_code == 503
+        body = {"model": "glm52-tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        r = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=10)
+        assert r.status_code == 503 and "retry-after" in r.headers
+        assert r.json()["error"]["type"]
+
+
+def test_router_streams_through_a_worker_and_reports_its_death_as_an_sse_error() -> None:
+    from router_fixtures import MODEL_DIR, serve
+
+    from glmserve.text.tokenizer import Tokenizer
+
+    tokens = Tokenizer.from_dir(MODEL_DIR).encode(" hello there" * 40)
+    proc, addr = start_fake_process(tokens=tokens, delay_s=0.02)
+    try:
+        with serve(_app(DisaggregatedBackend([addr], [addr], poll_interval_s=0.1))) as base:
+            body = {"model": "glm52-tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+            r = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=10)
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["message"]["content"].startswith(" hello")
+            assert r.json()["usage"]["completion_tokens"] == 4
+            body = {**body, "max_tokens": len(tokens), "stream": True}
+            with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=10) as resp:
+                lines = resp.iter_lines()
+                assert next(line for line in lines if line.startswith("data: "))
+                proc.kill()
+                rest = [line for line in lines if line.startswith("data: ")]
+            assert rest[-1] == "data: [DONE]"
+            error = json.loads(rest[-2].removeprefix("data: "))["error"]
+            assert "decode worker" in error["message"] and error["type"], error  # an OpenAI error object
+            # The only worker is gone: the router stops taking requests (503) instead of failing them.
+            deadline = time.monotonic() + 5
+            while httpx.get(f"{base}/ready", timeout=5).status_code != 503:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+    finally:
+        stop_process(proc)
+
+
+async def _serve_fake(args: argparse.Namespace) -> None:
+    tokens = [int(t) for t in args.tokens.split(",") if t]
+    decode = FakeDecode(tokens, delay_s=args.delay, free_blocks=args.free_blocks)
+    server, address = await start_fake(decode=decode, prefill=FakePrefill(), port=args.port)
+    print(f"READY {address}", flush=True)
+    await server.wait_for_termination()
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description="a fake decode + prefill worker for these tests")
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--tokens", default=",".join(map(str, TOKENS)))
+    parser.add_argument("--delay", type=float, default=0.01)
+    parser.add_argument("--free-blocks", type=int, default=100)
+    asyncio.run(_serve_fake(parser.parse_args()))

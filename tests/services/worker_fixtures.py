@@ -1,0 +1,169 @@
+"""Prefill and decode worker processes on 127.0.0.1 for tests, and a small async gRPC client.
+
+``WorkerProcess.launch(role, transfer, log)`` starts ``python -m glmserve.services.<role>.main``
+with the bundled model on a free port; ``ready()`` waits for its ``READY host:port`` line.
+``stop()`` sends SIGTERM (and checks the exit status), ``kill()`` is kill -9.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from prometheus_client.parser import text_string_to_metric_families
+
+from glmserve.engine.sampling_params import SamplingParams
+from glmserve.proto_gen.glmserve.common.v1 import generation_pb2 as common_pb
+from glmserve.proto_gen.glmserve.decode.v1 import decode_pb2 as decode_pb
+from glmserve.proto_gen.glmserve.decode.v1 import decode_pb2_grpc as decode_grpc
+from glmserve.proto_gen.glmserve.prefill.v1 import prefill_pb2 as prefill_pb
+from glmserve.proto_gen.glmserve.prefill.v1 import prefill_pb2_grpc as prefill_grpc
+from glmserve.services.sampling_proto import to_proto
+
+REPO = Path(__file__).resolve().parents[2]
+MODEL_DIR = Path(
+    os.environ.get("GLMSERVE_TEST_MODEL_DIR", Path(__file__).resolve().parents[2] / "models" / "glm52-tiny")
+)
+HAS_MODEL = (MODEL_DIR / "model.safetensors").exists()
+KV_CACHE_BYTES = 48 << 20  # ~130 blocks of 64 tokens with the bundled model: small pools, fast starts
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class WorkerProcess:
+    def __init__(self, role: str, proc: subprocess.Popen[bytes], log: Path, metrics_port: int) -> None:
+        self.role, self.proc, self.log, self.metrics_port = role, proc, log, metrics_port
+        self.address: str | None = None
+
+    @classmethod
+    def launch(cls, role: str, transfer: str, log: Path, *extra: str,
+               kv_cache_bytes: int = KV_CACHE_BYTES) -> WorkerProcess:
+        cmd = [sys.executable, "-m", f"glmserve.services.{role}.main", "--model", str(MODEL_DIR),
+               "--host", "127.0.0.1", "--port", "0", "--worker-id", f"{role}-{log.stem}",
+               "--transfer", transfer, "--kv-cache-bytes", str(kv_cache_bytes),
+               "--metrics-port", str(metrics_port := free_port()), *extra]
+        # This checkout's code, whatever an installed glmserve points at.
+        path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+        # One torch thread per worker: the CI machine has 2 cores and runs two or three workers.
+        env = {**os.environ, "PYTHONPATH": path, "NIXL_LOG_LEVEL": "WARN", "OMP_NUM_THREADS": "1"}
+        with open(log, "ab") as err:
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, env=env, cwd=REPO)
+        return cls(role, proc, log, metrics_port)
+
+    def ready(self, timeout_s: float = 90.0) -> WorkerProcess:
+        """Wait for the ``READY host:port`` line."""
+        assert self.proc.stdout is not None
+        deadline = time.monotonic() + timeout_s
+        with selectors.DefaultSelector() as sel:
+            sel.register(self.proc.stdout, selectors.EVENT_READ)
+            while self.address is None:
+                if time.monotonic() > deadline or not sel.select(max(0.0, deadline - time.monotonic())):
+                    self.kill()
+                    raise RuntimeError(f"{self.role} not ready in {timeout_s}s:\n{self.log.read_text()}")
+                line = self.proc.stdout.readline().decode()
+                if not line:
+                    raise RuntimeError(f"{self.role} exited:\n{self.log.read_text()}")
+                if line.startswith("READY "):
+                    self.address = line.split()[1]
+        return self
+
+    def health(self) -> object:
+        stub_cls = decode_grpc.DecodeStub if self.role == "decode" else prefill_grpc.PrefillStub
+        request = decode_pb.HealthRequest() if self.role == "decode" else prefill_pb.HealthRequest()
+        with grpc.insecure_channel(self.address) as channel:
+            return stub_cls(channel).Health(request, timeout=5)
+
+    def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        """Every sample of the worker's /metrics: (name, sorted labels) -> value."""
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as r:
+            text = r.read().decode()
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for family in text_string_to_metric_families(text) for s in family.samples}
+
+    def wait_free(self, free_blocks: int, timeout_s: float = 15.0) -> object:
+        """Poll Health until ``free_blocks`` are free again and nothing runs; the last reply."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            h = self.health()
+            if (h.free_blocks == free_blocks and h.running == 0 and h.waiting == 0) or time.monotonic() > deadline:
+                return h
+            time.sleep(0.05)
+
+    def stop(self, timeout_s: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+
+@dataclass
+class Outcome:
+    """What one Generate stream produced."""
+
+    tokens: list[int] = field(default_factory=list)
+    events: list[decode_pb.GenerateEvent] = field(default_factory=list)
+    finish_reason: str = ""
+    error: str = ""
+    num_cached_tokens: int = 0
+    cancelled: bool = False
+
+
+def generate_request(request_id: str, prompt: Sequence[int], params: SamplingParams, prefill: str,
+                     generation: int = 1) -> decode_pb.GenerateRequest:
+    return decode_pb.GenerateRequest(
+        transfer=common_pb.TransferId(request_id=request_id, generation=generation),
+        prompt_ids=list(prompt), sampling=to_proto(params), prefill_target=prefill,
+    )
+
+
+async def generate(stub: decode_grpc.DecodeStub, request: decode_pb.GenerateRequest,
+                   cancel_after_s: float | None = None, cancel_after_events: int | None = None) -> Outcome:
+    """Run one Generate; cancel it after ``cancel_after_s`` seconds or that many events."""
+    out = Outcome()
+    call = stub.Generate(request, timeout=120)
+
+    async def read() -> None:
+        async for event in call:
+            out.events.append(event)
+            out.tokens.extend(event.token_ids)
+            if event.finished:
+                out.finish_reason, out.error = event.finish_reason, event.error
+                out.num_cached_tokens = event.num_cached_tokens
+            if cancel_after_events is not None and len(out.events) >= cancel_after_events:
+                call.cancel()
+                out.cancelled = True
+                return
+
+    try:
+        await asyncio.wait_for(read(), cancel_after_s) if cancel_after_s is not None else await read()
+    except TimeoutError:
+        call.cancel()
+        out.cancelled = True
+    except asyncio.CancelledError:
+        if not out.cancelled:
+            raise
+    return out
