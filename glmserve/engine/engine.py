@@ -29,6 +29,7 @@ from glmserve.kv.block_pool import BlockPool
 from glmserve.model.glm_model import GlmForCausalLM
 from glmserve.model.kv_layout import LAYOUT_VERSION, KVLayout
 from glmserve.model.loader import load_model
+from glmserve.model.mtp_draft import extend_shared_topk
 from glmserve.model.paged_cache import PagedKVCache
 from glmserve.model.revision import model_revision
 from glmserve.text.detokenizer import IncrementalDetokenizer
@@ -362,8 +363,7 @@ class Engine:
             positions = [r.num_computed + j for r in reqs]
             shared = None
             if self.model.config.index_share_for_mtp_iteration:
-                shared = [torch.cat([t, torch.arange(r.num_computed, p + 1).unsqueeze(0)], dim=1)
-                          for t, r, p in zip(topk, reqs, positions, strict=True)]
+                shared = [extend_shared_topk(t, r.num_computed - 1, j + 1) for t, r in zip(topk, reqs, strict=True)]
             result = self.runner.run_mtp(reqs, positions, list(hidden.split(1)), [[r.drafts[-1]] for r in reqs], shared)
             hidden, logits = result.hidden, result.logits
             if not self.model.config.index_share_for_mtp_iteration:

@@ -42,7 +42,7 @@ def draft_tokens(
         batch = ForwardBatch.build([[t] for t in tokens], positions, tables, block_size)
         topk_in = None
         if share and first_topk is not None:
-            topk_in = [_extend(k, s.position, j) for k, s in zip(first_topk, seeds, strict=True)]
+            topk_in = [extend_shared_topk(k, s.position, j) for k, s in zip(first_topk, seeds, strict=True)]
         hidden, topk = model.mtp_step(model.context(batch, cache), hidden, topk_in)
         if first_topk is None:
             first_topk = topk
@@ -53,7 +53,7 @@ def draft_tokens(
     return torch.stack(ids, dim=1), torch.stack(logits, dim=1)
 
 
-def _extend(topk: torch.Tensor, position: int, step: int) -> torch.Tensor:
+def extend_shared_topk(topk: torch.Tensor, position: int, step: int) -> torch.Tensor:
     """Step 1's selection [1, k] plus the positions drafted after it, for the query at position+step."""
     drafted = torch.arange(position + 1, position + step + 1, dtype=topk.dtype).unsqueeze(0)
     return torch.cat([topk, drafted], dim=1)
