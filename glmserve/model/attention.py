@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from glmserve.model.config import GlmConfig
+from glmserve.model.decode_group import DecodeGroup
 from glmserve.model.forward_batch import SequenceSlice
 from glmserve.model.forward_context import ForwardContext
 from glmserve.model.indexer import Indexer, causal_mask
@@ -59,6 +60,7 @@ class MLAttention(nn.Module):
         new_kv = torch.cat([self.kv_a_layernorm(latent), apply_rope(k_rot, ctx.cos, ctx.sin)], dim=-1)
         if ctx.cache is not None:
             ctx.cache.write(ctx.cache.latent_view(self.layer_idx), ctx.batch.slots, new_kv)
+        index = None
         if self.indexer is not None:
             # The indexer learns only from its own distillation loss (DSA), never from the LM loss.
             x_ix, q_resid_ix = x.detach(), q_resid.detach()
@@ -66,31 +68,97 @@ class MLAttention(nn.Module):
             if ctx.cache is not None:
                 ctx.cache.write(ctx.cache.index_key_view(self.layer_idx), ctx.batch.slots, new_keys)
             if topk_in is None:
-                iq, iw = self.indexer.queries(q_resid_ix, x_ix, ctx.cos, ctx.sin)
+                index = (*self.indexer.queries(q_resid_ix, x_ix, ctx.cos, ctx.sin), new_keys)
         elif topk_in is None:
             raise ValueError(f"layer {self.layer_idx}: a shared-indexer layer needs the top-k of a full layer")
 
-        outputs, topks = [], []
+        out = x.new_empty(n, self.heads * self.v_dim)
+        topks: list[torch.Tensor] = [None] * len(ctx.batch.seqs)  # type: ignore[list-item]
+        grouped = set()
+        for g in self._decode_groups(ctx):
+            rows = g.token_idx
+            g_index = None if index is None else (index[0][rows], index[1][rows])
+            g_topk_in = None if topk_in is None else [topk_in[i] for i in g.seq_ids]
+            out[rows], g_topks = self._attend_group(ctx, g, q_nope[rows], q_rot[rows], g_index, g_topk_in)
+            for i, t in zip(g.seq_ids, g_topks, strict=True):
+                topks[i] = t
+            grouped.update(g.seq_ids)
         for i, seq in enumerate(ctx.batch.seqs):
-            sl = slice(seq.start, seq.end)
-            positions = ctx.batch.positions[sl]
-            kv = self._context(ctx, seq, new_kv, self.layer_idx, "latent")
-            if topk_in is not None:
-                topk = topk_in[i]
-                index_scores = None
-            else:
-                keys = self._context(ctx, seq, new_keys, self.layer_idx, "index")
-                index_scores = self.indexer.scores(iq[sl], iw[sl], keys, positions)
-                topk = self.indexer.select(index_scores)
-            selected = None if ctx.dense_attention else topk
-            absorbed = ctx.force_absorbed if ctx.force_absorbed is not None else seq.num_new <= ABSORBED_MAX_QUERIES
-            attend = self._attend_absorbed if absorbed else self._attend_expanded
-            out, probs = attend(q_nope[sl], q_rot[sl], kv, positions, selected, want_probs=ctx.collect_indexer)
-            if ctx.collect_indexer and index_scores is not None:
-                ctx.indexer_records.append((self.layer_idx, index_scores, probs))
-            outputs.append(out)
-            topks.append(topk)
-        return self.o_proj(torch.cat(outputs, dim=0)), topks
+            if i not in grouped:
+                sl = slice(seq.start, seq.end)
+                seq_index = None if index is None else (index[0][sl], index[1][sl], index[2])
+                seq_topk = None if topk_in is None else topk_in[i]
+                out[sl], topks[i] = self._attend_sequence(ctx, seq, q_nope[sl], q_rot[sl], new_kv, seq_index, seq_topk)
+        return self.o_proj(out), topks
+
+    def _decode_groups(self, ctx: ForwardContext) -> list[DecodeGroup]:
+        """Groups of short-query sequences for the batched absorbed kernel ([] when it does not apply)."""
+        if ctx.cache is None or ctx.dense_attention or ctx.collect_indexer or ctx.force_absorbed is False:
+            return []
+        return ctx.decode_groups(ABSORBED_MAX_QUERIES)
+
+    def _attend_sequence(self, ctx, seq, q_nope, q_rot, new_kv, index, topk_in):
+        """One sequence's attention output [S, heads * v_dim] and top-k (the general path)."""
+        positions = ctx.batch.positions[seq.start : seq.end]
+        kv = self._context(ctx, seq, new_kv, self.layer_idx, "latent")
+        index_scores = None
+        if topk_in is not None:
+            topk = topk_in
+        else:
+            iq, iw, new_keys = index
+            keys = self._context(ctx, seq, new_keys, self.layer_idx, "index")
+            index_scores = self.indexer.scores(iq, iw, keys, positions)
+            topk = self.indexer.select(index_scores)
+        selected = None if ctx.dense_attention else topk
+        absorbed = ctx.force_absorbed if ctx.force_absorbed is not None else seq.num_new <= ABSORBED_MAX_QUERIES
+        attend = self._attend_absorbed if absorbed else self._attend_expanded
+        out, probs = attend(q_nope, q_rot, kv, positions, selected, want_probs=ctx.collect_indexer)
+        if ctx.collect_indexer and index_scores is not None:
+            ctx.indexer_records.append((self.layer_idx, index_scores, probs))
+        return out, topk
+
+    def _attend_group(self, ctx, g: DecodeGroup, q_nope, q_rot, index, topk_in):
+        """Absorbed sparse attention of a DecodeGroup: output [B * S, heads * v_dim] and per-sequence top-k.
+
+        Only the selected latent rows are read from the paged cache (looked up through the block table),
+        never a sequence's whole context.
+        """
+        b, s = g.num_seqs, g.num_queries
+        block_size = ctx.cache.layout.block_size
+        if topk_in is not None:
+            selected, valid = _pad_topk(topk_in)
+            topks = topk_in
+        else:
+            selected = self._group_select(ctx, g, index, block_size)
+            valid = None
+            topks = [t[:, : min(self.indexer.index_topk, n)] for t, n in zip(selected, g.context_lens, strict=True)]
+        selected = selected.reshape(b, s, -1)
+        blocks = g.block_tables.gather(1, (selected // block_size).reshape(b, -1)).view(selected.shape)
+        rows = PagedKVCache.gather_rows(ctx.cache.latent_view(self.layer_idx), blocks, selected % block_size)
+        allowed = selected <= g.positions.unsqueeze(-1)
+        if valid is not None:
+            allowed &= valid
+        w = self.kv_b_proj.weight.view(self.heads, self.nope_dim + self.v_dim, self.latent_dim)
+        w_uk, w_uv = w[:, : self.nope_dim], w[:, self.nope_dim :]
+        q_lat = torch.einsum("nhd,hdc->nhc", q_nope, w_uk)
+        query = torch.cat([q_lat, q_rot], dim=-1).view(b, s, self.heads, -1)  # [B, S, H, latent + rope]
+        rows = rows.to(query.dtype)
+        scores = torch.matmul(query, rows.transpose(-1, -2)) * self.scaling  # [B, S, H, K]
+        probs = self._softmax(scores, allowed.unsqueeze(2), query.dtype)
+        lat_out = torch.matmul(probs, rows[..., : self.latent_dim]).view(b * s, self.heads, self.latent_dim)
+        return torch.einsum("nhc,hvc->nhv", lat_out, w_uv).reshape(b * s, -1), topks
+
+    def _group_select(self, ctx, g: DecodeGroup, index, block_size: int) -> torch.Tensor:
+        """[B, S, K] top-k positions of a group's queries over its padded contexts."""
+        padded = g.padded_len(block_size)
+        if padded <= self.indexer.index_topk:
+            return torch.arange(padded).expand(g.num_seqs, g.num_queries, padded)
+        iq, iw = index
+        b, s = g.num_seqs, g.num_queries
+        view = ctx.cache.index_key_view(self.layer_idx)
+        keys = PagedKVCache.gather_blocks(view, g.block_tables).view(b, padded, -1)
+        scores = self.indexer.scores(iq.view(b, s, *iq.shape[1:]), iw.view(b, s, -1), keys, g.positions)
+        return self.indexer.select(scores)
 
     @staticmethod
     def _context(ctx: ForwardContext, seq: SequenceSlice, new: torch.Tensor, layer: int, kind: str) -> torch.Tensor:
@@ -145,3 +213,16 @@ class MLAttention(nn.Module):
             lat_out = torch.einsum("sht,tc->shc", probs, latent)
         out = torch.einsum("shc,hvc->shv", lat_out, w_uv).reshape(q_nope.shape[0], -1)
         return out, (probs.float().sum(1) if want_probs else None)
+
+
+def _pad_topk(topk: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Stack per-sequence [S, k_i] selections into [B, S, K]; pads (k_i < K) are 0 and marked invalid."""
+    width = max(t.shape[-1] for t in topk)
+    if all(t.shape[-1] == width for t in topk):
+        return torch.stack(topk), None
+    padded = torch.zeros(len(topk), topk[0].shape[0], width, dtype=torch.int64)
+    valid = torch.zeros(len(topk), topk[0].shape[0], width, dtype=torch.bool)
+    for i, t in enumerate(topk):
+        padded[i, :, : t.shape[-1]] = t
+        valid[i, :, : t.shape[-1]] = True
+    return padded, valid

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from glmserve.model.decode_group import DecodeGroup, decode_groups
 from glmserve.model.forward_batch import ForwardBatch
 from glmserve.model.paged_cache import PagedKVCache
 
@@ -30,3 +31,10 @@ class ForwardContext:
     collect_indexer: bool = False
     force_absorbed: bool | None = None
     indexer_records: list[tuple[int, torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    _groups: dict[int, list[DecodeGroup]] = field(default_factory=dict, repr=False)
+
+    def decode_groups(self, max_queries: int) -> list[DecodeGroup]:
+        """The batch's DecodeGroups (built once per pass, shared by every layer)."""
+        if max_queries not in self._groups:
+            self._groups[max_queries] = decode_groups(self.batch, max_queries, self.cache.layout.block_size)
+        return self._groups[max_queries]

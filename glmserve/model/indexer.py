@@ -44,29 +44,36 @@ class Indexer(nn.Module):
         return q, weights
 
     def scores(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor):
-        """Index scores [S, T] of S queries over T context keys; later tokens are -inf (causal)."""
-        per_head = torch.matmul(q.float(), keys.float().transpose(0, 1)) * self.head_dim**-0.5  # [S, H, T]
-        per_head = torch.relu(per_head)
-        scores = torch.matmul(weights.unsqueeze(-2), per_head).squeeze(-2)  # [S, T]
-        return scores.masked_fill(causal_mask(positions, keys.shape[0]).logical_not(), float("-inf"))
+        """Index scores [..., S, T] of S queries over T context keys; later tokens are -inf (causal).
+
+        q [..., S, H, D], weights [..., S, H], keys [..., T, D], positions [..., S]; the leading
+        dimension, when present, is a batch of sequences.
+        """
+        keys_t = keys.float().transpose(-1, -2).unsqueeze(-3)  # [..., 1, D, T]
+        per_head = torch.relu(torch.matmul(q.float(), keys_t) * self.head_dim**-0.5)  # [..., S, H, T]
+        scores = torch.matmul(weights.unsqueeze(-2), per_head).squeeze(-2)  # [..., S, T]
+        return scores.masked_fill(causal_mask(positions, keys.shape[-2]).logical_not(), float("-inf"))
 
     def select(self, scores: torch.Tensor) -> torch.Tensor:
-        """Top-k token positions [S, min(index_topk, T)] (int64, ascending) of each query.
+        """Top-k token positions [..., S, min(index_topk, T)] (int64, ascending) of each query.
 
         ReLU makes exact ties common (many scores are exactly 0). Ties at the cut are broken towards
-        earlier positions, so the selection never depends on how queries were batched or chunked.
+        earlier positions, so the selection never depends on how queries were batched or chunked
+        (nor on padding after a sequence's end: padded keys score -inf).
         """
-        k = min(self.index_topk, scores.shape[-1])
-        if k == scores.shape[-1]:
-            return torch.arange(k, device=scores.device).expand(scores.shape[0], k)
-        cut = scores.topk(k, dim=-1).values[:, -1:]
-        above = scores > cut
-        tied = scores == cut
+        lead, t = scores.shape[:-1], scores.shape[-1]
+        k = min(self.index_topk, t)
+        if k == t:
+            return torch.arange(k, device=scores.device).expand(*lead, k)
+        flat = scores.reshape(-1, t)
+        cut = flat.topk(k, dim=-1).values[:, -1:]
+        above = flat > cut
+        tied = flat == cut
         room = k - above.sum(-1, keepdim=True)
         chosen = above | (tied & (tied.cumsum(-1) <= room))
-        return chosen.nonzero()[:, 1].view(scores.shape[0], k)
+        return chosen.nonzero()[:, 1].view(*lead, k)
 
 
 def causal_mask(positions: torch.Tensor, context_len: int) -> torch.Tensor:
-    """[S, T] bool: key j is visible to the query at position p iff j <= p."""
-    return torch.arange(context_len, device=positions.device)[None, :] <= positions[:, None]
+    """[..., S, T] bool: key j is visible to the query at position p iff j <= p."""
+    return torch.arange(context_len, device=positions.device) <= positions.unsqueeze(-1)

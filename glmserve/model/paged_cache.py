@@ -5,6 +5,8 @@ The cache only stores and gathers; which block belongs to whom is the block pool
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from glmserve.model.kv_layout import KVLayout, Region
@@ -43,5 +45,24 @@ class PagedKVCache:
         """The first `length` tokens of a sequence, in order: [length, width]."""
         block_size = view.shape[1]
         n_blocks = (length + block_size - 1) // block_size
-        rows = view[block_table[:n_blocks]]
-        return rows.reshape(n_blocks * block_size, view.shape[2])[:length]
+        return PagedKVCache.gather_blocks(view, block_table[:n_blocks]).view(-1, view.shape[2])[:length]
+
+    @staticmethod
+    def gather_blocks(view: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+        """Whole blocks [*blocks.shape, block_size, width], copied block by block."""
+        # index_select over [num_blocks, block_size * width] rows copies each block with one memcpy;
+        # advanced indexing of the strided 3-D view copies element by element (10x slower on CPU).
+        rows = view.flatten(1).index_select(0, blocks.reshape(-1))
+        return rows.view(*blocks.shape, view.shape[1], view.shape[2])
+
+    @staticmethod
+    def gather_rows(view: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """Rows [*blocks.shape, width] of tokens (blocks[i], offsets[i]); only those rows are read."""
+        # Every row starts at a multiple of g in the buffer, so an overlapping [M, width] window view
+        # with row stride g addresses all of them, and index_select copies each row with one memcpy.
+        width = view.shape[2]
+        g = math.gcd(view.stride(0), view.stride(1), view.storage_offset())
+        total = view.untyped_storage().nbytes() // view.element_size()
+        windows = view.as_strided(((total - width) // g + 1, width), (g, 1), storage_offset=0)
+        start = view.storage_offset() + blocks * view.stride(0) + offsets * view.stride(1)
+        return windows.index_select(0, (start // g).reshape(-1)).view(*blocks.shape, width)

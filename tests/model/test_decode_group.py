@@ -1,0 +1,69 @@
+"""The batched short-query kernel (DecodeGroup) equals attending each sequence on its own."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from reference import config_dict
+
+from glmserve.model.attention import MLAttention
+from glmserve.model.config import GlmConfig
+from glmserve.model.forward_batch import ForwardBatch
+from glmserve.model.glm_model import GlmForCausalLM, init_random
+from glmserve.model.kv_layout import KVLayout
+from glmserve.model.paged_cache import PagedKVCache
+
+BLOCK = 8
+
+
+def _prompt(length: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(2, 320, (length,), generator=g).tolist()
+
+
+def test_gather_rows_and_blocks_read_exactly_the_addressed_rows():
+    config = GlmConfig.from_dict(config_dict("glm52_schedule"))
+    layout = KVLayout.for_config(config, block_size=BLOCK, dtype=torch.float32, with_mtp=True)
+    cache = PagedKVCache(layout, num_blocks=7)
+    cache.buffer.copy_(torch.randn_like(cache.buffer))
+    blocks = torch.tensor([[6, 0, 3], [2, 2, 5]])
+    offsets = torch.tensor([[7, 0, 4], [1, 6, 3]])
+    for layer in (0, 3, config.num_hidden_layers):  # first region, middle, MTP region at the end
+        for view in (cache.latent_view(layer), cache.index_key_view(layer) if layer != 3 else None):
+            if view is None:
+                continue
+            assert torch.equal(PagedKVCache.gather_rows(view, blocks, offsets), view[blocks, offsets])
+            assert torch.equal(PagedKVCache.gather_blocks(view, blocks), view[blocks])
+
+
+@pytest.mark.parametrize("topk", [16, 32])
+@torch.no_grad()
+def test_grouped_attention_equals_per_sequence(monkeypatch, topk):
+    """Mixed step: decodes (1 query), verifies (3 queries) and a prefill chunk, contexts on both
+    sides of index_topk, interleaved block tables; logits and top-k equal the per-sequence path."""
+    config = GlmConfig.from_dict(config_dict("glm52_schedule", index_topk=topk))
+    torch.manual_seed(0)
+    model = GlmForCausalLM(config)
+    init_random(model, std=0.2, generator=torch.Generator().manual_seed(1))
+    model.eval()
+    layout = KVLayout.for_config(config, block_size=BLOCK, dtype=torch.float32, with_mtp=False)
+    cache = PagedKVCache(layout, num_blocks=120)
+    lengths = [9, 20, 47, 90, 31]
+    tables = [list(range(i, 120, 5)) for i in range(5)]
+    prompts = [_prompt(n, seed=n) for n in lengths]
+    model.forward_logits(ForwardBatch.build(prompts, [0] * 5, tables, BLOCK), cache)
+    new = [[5], [6, 7, 8], [9], [10, 11, 12], _prompt(20, seed=3)]
+    batch = ForwardBatch.build(new, lengths, tables, BLOCK)
+    saved = cache.buffer.clone()
+
+    grouped_hidden, grouped_topk = model(model.context(batch, cache))
+    grouped_cache = cache.buffer.clone()
+    cache.buffer.copy_(saved)
+    monkeypatch.setattr(MLAttention, "_decode_groups", lambda self, ctx: [])
+    alone_hidden, alone_topk = model(model.context(batch, cache))
+
+    assert len(model.context(batch, cache).decode_groups(16)) == 2  # 1-query and 3-query groups
+    torch.testing.assert_close(grouped_hidden, alone_hidden, rtol=1e-4, atol=1e-4)  # summation order differs
+    torch.testing.assert_close(grouped_cache, cache.buffer, rtol=1e-4, atol=1e-4)
+    for g, a in zip(grouped_topk, alone_topk, strict=True):
+        assert g.tolist() == a.tolist()
