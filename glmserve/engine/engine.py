@@ -36,6 +36,8 @@ from glmserve.text.detokenizer import IncrementalDetokenizer
 from glmserve.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
+# Decode positions an idle MTP layer may fall behind before its KV gets a hole (bounded memory).
+MAX_PENDING_MTP_ROWS = 256
 
 
 @dataclass(frozen=True)
@@ -322,21 +324,23 @@ class Engine:
     def _draft(self, items: list[tuple[Request, int, torch.Tensor, bool]]) -> None:
         """Bring each request's MTP KV up to date with this step's hidden states, then draft.
 
-        Prompt positions always get MTP KV (later drafts attend to them); decode steps skip the MTP
-        when no drafts are wanted, which leaves a gap that only lowers later acceptance."""
+        Prompt positions always get MTP KV (later drafts attend to them). Decode steps that want no
+        drafts keep their hidden rows pending instead, and the next drafting step runs them all, so
+        switching speculation off and on leaves no hole in the MTP layer's KV."""
         decoding = [r for r, _, _, _ in items if not r.in_prefill and not r.is_finished]
         k = self.fixed_drafts if self.fixed_drafts is not None else self.policy.choose(len(decoding))
         reqs, starts, hidden, next_tokens = [], [], [], []
         for req, start, rows, was_decode in items:
             if was_decode and k == 0:
+                self._defer_mtp(req, start, rows)
                 continue
-            first = max(req.mtp_synced, start)
-            tokens = req.token_ids
+            pending = req.mtp_pending  # covers positions mtp_synced .. start - 1 when not empty
+            first = req.mtp_synced if pending else max(req.mtp_synced, start)
             reqs.append(req)
             starts.append(first)
-            hidden.append(rows[first - start : req.num_computed - start])
-            next_tokens.append(tokens[first + 1 : req.num_computed + 1])
-            req.mtp_synced = req.num_computed
+            hidden.append(torch.cat([*pending, rows[max(first, start) - start : req.num_computed - start]]))
+            next_tokens.append(req.token_ids[first + 1 : req.num_computed + 1])
+            req.mtp_synced, req.mtp_pending = req.num_computed, []
         if not reqs:
             return
         result = self.runner.run_mtp(reqs, starts, hidden, next_tokens)
@@ -348,6 +352,15 @@ class Engine:
         ]
         self._draft_steps([reqs[i] for i in picks], result.hidden[picks], result.logits[picks],
                           [result.topk[i] for i in picks], k)
+
+    @staticmethod
+    def _defer_mtp(req: Request, start: int, rows: torch.Tensor) -> None:
+        """Keep this step's hidden rows for the MTP layer until drafting resumes (bounded)."""
+        if req.mtp_synced < start and not req.mtp_pending:
+            req.mtp_synced = start  # an older hole stays (rows dropped at the cap below)
+        req.mtp_pending.append(rows[: req.num_computed - start])
+        if req.num_computed - req.mtp_synced > MAX_PENDING_MTP_ROWS:
+            req.mtp_synced, req.mtp_pending = req.num_computed, []
 
     def _draft_steps(self, reqs, hidden, logits, topk, k: int) -> None:
         if not reqs:

@@ -26,6 +26,8 @@ class Request:
     - `num_computed`: tokens whose main-model KV is in the request's blocks (positions 0..n-1).
     - In decode, the last token of `token_ids` is pending: sampled, not yet run through the model.
     - `mtp_synced`: positions whose MTP-layer KV was computed from the main model's hidden states.
+    - `mtp_pending`: main-model hidden rows of positions mtp_synced.. not yet run through the MTP layer
+      (steps that drafted nothing); they are caught up when drafting resumes.
     - `drafts` / `draft_probs`: MTP proposals for the tokens after the pending one, verified next step.
     """
 
@@ -41,6 +43,7 @@ class Request:
     num_computed: int = 0
     num_cached_prompt: int = 0  # prompt tokens found in the prefix cache at admission
     mtp_synced: int = 0
+    mtp_pending: list[torch.Tensor] = field(default_factory=list)
     drafts: list[int] = field(default_factory=list)
     draft_probs: torch.Tensor | None = None
     generator: torch.Generator | None = None

@@ -116,6 +116,7 @@ class Scheduler:
         self.running.remove(req)
         self.kv.free(req)
         req.num_computed = req.mtp_synced = 0
+        req.mtp_pending = []
         req.drafts, req.draft_probs = [], None
         req.num_preemptions += 1
         self.num_preemptions += 1

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from engine_fixtures import prompts, random_model
 
 from glmserve.engine.engine import Engine, EngineConfig
 from glmserve.engine.sampling_params import SamplingParams
 from glmserve.model.greedy import greedy_generate
+from glmserve.model.paged_cache import PagedKVCache
 
 MAX_NEW = 24
 
@@ -161,3 +163,26 @@ def test_logprobs_and_top_logprobs(model):
         assert abs(req.output_logprobs[i] - float(expected[i, token])) < 1e-4
         ids = [t for t, _ in req.output_top_logprobs[i]]
         assert ids[0] == token and ids == expected[i].topk(3).indices.tolist()
+
+
+def _mtp_rows_after(model, prompt, drafts_at_step, target: int):
+    """Step one request until its MTP KV covers `target` positions; returns those MTP latent rows."""
+    engine = _engine(model, mtp=1, prefix_caching=False)
+    req = engine.add_request("r", prompt, SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True))
+    deferred, step = 0, 0
+    while req.mtp_synced < target or req.mtp_pending:
+        engine.fixed_drafts = drafts_at_step(step)
+        engine.step()
+        deferred = max(deferred, len(req.mtp_pending))
+        step += 1
+    view = engine.runner.cache.latent_view(model.config.mtp_layer_index)
+    return PagedKVCache.gather(view, torch.tensor(req.block_ids), target), deferred
+
+
+def test_steps_without_drafts_leave_no_hole_in_the_mtp_kv(model):
+    prompt = prompts(1, seed=5)[0]
+    target = len(prompt) + 12
+    always, _ = _mtp_rows_after(model, prompt, lambda step: 1, target)
+    on_off, deferred = _mtp_rows_after(model, prompt, lambda step: 0 if step % 4 else 1, target)
+    assert deferred >= 2  # steps without drafts really happened
+    torch.testing.assert_close(on_off, always, rtol=1e-4, atol=1e-4)
