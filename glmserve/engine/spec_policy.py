@@ -2,8 +2,8 @@
 
 For each batch-size bucket (powers of two) and each k in 0..max_drafts it keeps running averages of
 the wall time of a pure decode step and of the tokens a request gained per step. It picks the k with
-the most tokens per second. Everything the engine spends on speculation (drafting, verification,
-bookkeeping) is in the measured time, so when speculation does not pay (large batches, low
+the most tokens per second (k > 0 only when it beats k = 0 by a margin). Everything the engine spends
+on speculation (drafting, verification, bookkeeping) is in the measured time, so when speculation does not pay (large batches, low
 acceptance) k = 0 wins. Every `explore_every` steps it re-measures a neighbour of the best k, since
 load and acceptance drift.
 """
@@ -11,6 +11,9 @@ load and acceptance drift.
 from __future__ import annotations
 
 SMOOTHING = 0.2  # weight of a new observation in the running averages
+# Speculation must beat k = 0 by this fraction: step times are noisy, and a tie is a loss once the
+# cost of exploring is counted.
+MARGIN = 0.03
 
 
 class RunningMean:
@@ -57,6 +60,8 @@ class SpecPolicy:
                 return k  # measure every choice once per bucket before comparing
             rates[k] = gain.value / cost.value
         best = max(rates, key=rates.__getitem__)
+        if rates[best] < rates[0] * (1 + MARGIN):
+            best = 0
         if self._steps % self.explore_every == 0:
             return min(best + 1, self.max_drafts) if best < self.max_drafts else best - 1
         return best

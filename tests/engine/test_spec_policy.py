@@ -37,3 +37,11 @@ def test_explores_a_neighbour_now_and_then():
     _feed(policy, 32, {0: 0.05, 1: 0.09, 2: 0.13, 3: 0.17}, {0: 1, 1: 1.7, 2: 2.0, 3: 2.1})
     picks = [policy.choose(32) for _ in range(8)]
     assert picks.count(0) == 6 and picks.count(1) == 2
+
+
+def test_a_marginal_gain_does_not_turn_speculation_on():
+    policy = SpecPolicy(max_drafts=1, explore_every=10**9)
+    _feed(policy, 8, {0: 0.010, 1: 0.0168}, {0: 1, 1: 1.7})  # 1.2% more tokens/s than k = 0
+    assert policy.choose(8) == 0
+    _feed(policy, 8, {0: 0.010, 1: 0.0150}, {0: 1, 1: 1.7}, rounds=30)  # 13% more
+    assert policy.choose(8) == 1
