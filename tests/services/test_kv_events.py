@@ -1,0 +1,89 @@
+"""KVEventPublisher against a real kvstore gRPC server (in this process, on 127.0.0.1): exact
+index contents after batches, an outage that must not block the pool, and the resync after it."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from redis_fixtures import free_port
+
+from glmserve.kv.block_index import PrefixMatch
+from glmserve.kv.block_pool import BlockPool
+from glmserve.services.kv_events import KVEventPublisher
+from glmserve.services.kvstore.client import KVStoreClient
+from glmserve.services.kvstore.main import KVStoreConfig, serve
+
+H = [bytes([i + 1]) * 16 for i in range(8)]
+
+
+@contextmanager
+def kvstore(port: int) -> Iterator[KVStoreClient]:
+    stop = threading.Event()
+    thread = threading.Thread(target=serve, args=(KVStoreConfig(port=port, grace_s=0.1), stop), daemon=True)
+    thread.start()
+    client = KVStoreClient(f"127.0.0.1:{port}", timeout_s=2.0)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            client.health()
+            break
+        except Exception:
+            assert time.monotonic() < deadline, "kvstore did not start"
+            time.sleep(0.05)
+    try:
+        yield client
+    finally:
+        client.close()
+        stop.set()
+        thread.join(timeout=10)
+
+
+def committed_pool(n: int, hashes: list[bytes], publisher: KVEventPublisher) -> tuple[BlockPool, list[int]]:
+    pool = BlockPool(n)
+    pool.add_listener(publisher)
+    ids = pool.allocate(len(hashes))
+    for block_id, h in zip(ids, hashes, strict=True):
+        pool.commit(block_id, h)
+    return pool, ids
+
+
+def test_stored_and_evicted_blocks_reach_the_index() -> None:
+    port = free_port()
+    with kvstore(port) as client:
+        publisher = KVEventPublisher("w1", KVStoreClient(f"127.0.0.1:{port}", timeout_s=1.0))
+        pool, ids = committed_pool(4, H[:4], publisher)
+        assert publisher.flush()
+        assert client.lookup(H[:4]) == {"w1": PrefixMatch(4, 0)}
+        pool.release(ids[::-1])  # the tail is evicted first
+        pool.allocate(1)
+        assert publisher.flush()
+        assert client.lookup(H[:4]) == {"w1": PrefixMatch(3, 0)}
+        publisher.close()  # leaving the cluster drops everything it held
+        assert client.lookup(H[:4]) == {}
+
+
+def test_an_outage_never_blocks_the_pool_and_the_index_is_resynced_after_it() -> None:
+    port = free_port()
+    publisher = KVEventPublisher("w1", KVStoreClient(f"127.0.0.1:{port}", timeout_s=0.3))
+    with kvstore(port) as client:
+        pool, ids = committed_pool(8, H[:3], publisher)
+        assert publisher.flush() and publisher.in_sync
+        assert client.lookup(H[:3]) == {"w1": PrefixMatch(3, 0)}
+    # kvstore down: the pool keeps working; events are folded into the mirror, nothing waits.
+    t0 = time.monotonic()
+    more = pool.allocate(2)
+    pool.commit(more[0], H[3])
+    pool.commit(more[1], H[4])
+    assert time.monotonic() - t0 < 0.05
+    assert not publisher.flush() and not publisher.in_sync
+    pool.release([more[1]])
+    pool.allocate(4)  # evicts H[4] while the kvstore is away
+    with kvstore(port) as client:  # an empty index, as after a kvstore restart
+        assert client.lookup(H[:5]) == {}
+        assert publisher.flush() and publisher.in_sync
+        assert client.lookup(H[:5]) == {"w1": PrefixMatch(4, 0)}
+        assert client.lookup([H[4]]) == {}
+    publisher.close()  # kvstore gone again: close must still return promptly
