@@ -66,16 +66,17 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     workers.append(WorkerProcess.launch("prefill", "tcp", tmp / "prev.log", *kv, "--revision", "rev-B"))
     decode = WorkerProcess.launch("decode", "tcp", tmp / "d0.log", *kv)
     started = [*workers, decode]
-    router = None
+    stack = None
     try:
         for w in started:
             w.ready()
         router = RouterProcess.launch(tmp / "router.log", [w.address for w in workers[:2]], [decode.address],
                                       f"127.0.0.1:{kvstore.port}")
-        yield Stack(redis, kvstore, workers[:2], decode, workers[2], router, tmp)
+        stack = Stack(redis, kvstore, workers[:2], decode, workers[2], router, tmp)
+        yield stack
     finally:
-        if router is not None:
-            router.stop()
+        if stack is not None:
+            stack.router.stop()  # the latest one: a test restarts it
         for w in started:
             w.stop()
         kvstore.stop()

@@ -161,6 +161,7 @@ class DisaggregatedBackend(GenerationBackend):
         return {"prefix_index": self.prefix_router.index_source()}
 
     def metrics_registry(self) -> Any:
+        self.prefix_router.refresh_index_gauge()
         return self.prefix_router.metrics.registry
 
     async def generate(

@@ -8,7 +8,9 @@ Per request (on the event loop; hashing a long prompt runs in a thread, DESIGN i
    model revision, tokenizer or KV layout simply never matches), salted with the tenant's salt;
 2. look the reusable blocks up in the kvstore (``Lookup``; short deadline); while the kvstore or
    its index is down (its Health says so, or a lookup failed), in the router's `LocalPrefixView`;
-3. build one `PrefillCandidate` per healthy worker and let the policy choose.
+3. build one `PrefillCandidate` per healthy worker and let the policy choose. Device blocks count
+   for the worker holding them; the host tier is one CPU pool in the kvstore that every worker can
+   load from, so the longest host run reported under any holder id counts for every candidate.
 
 ``acquire`` / ``release`` bracket the prefill (until decode's first event): they keep the tokens
 this router queued on each worker, record the prompt's blocks in the local view once the prefill
@@ -77,6 +79,10 @@ class PrefixRouter:
         if self._client is not None:
             await self._client.close()
 
+    def refresh_index_gauge(self) -> None:
+        """Set ``glmserve_router_kv_index_up`` from the current source (before a scrape)."""
+        self.metrics.index_up.set(1 if self.index_source() == "kvstore" else 0)
+
     def index_source(self) -> str:
         """Where lookups go now: "kvstore", or "local" (no kvstore, or it is unreachable)."""
         if self._client is None:
@@ -97,11 +103,12 @@ class PrefixRouter:
         matches, source = await self._lookup(hashes, len(prompt_ids))
         candidates, block_size = [], 0
         for v in views:
-            key = (v.cache_root, v.block_size)
-            m = matches.get(key, {}).get(v.worker_id, PrefixMatch()) if key in hashes else PrefixMatch()
+            found = matches.get((v.cache_root, v.block_size), {})
+            device = found.get(v.worker_id, PrefixMatch()).device_blocks
+            host = max((m.host_blocks for m in found.values()), default=0)
             block_size = block_size or v.block_size
             candidates.append(PrefillCandidate(v.address, v.load, v.inflight, self._queued_tokens.get(v.address, 0),
-                                               m.device_blocks, m.host_blocks, v.free_blocks))
+                                               device, host, v.free_blocks))
         decision = self.policy.choose(candidates, len(prompt_ids), block_size or 1, hints.session_id,
                                       index_known=source == "kvstore")
         assert decision is not None  # candidates is not empty
