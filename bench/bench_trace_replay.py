@@ -61,7 +61,6 @@ from glmserve.services.router.prefill_routing import (  # noqa: E402
 TRACE = REPO.parent / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
 TRACE_BLOCK = 512
 PARAMS = SamplingParams(max_tokens=1)
-ROOT = CacheKeyRoot("bench-revision", "bench-tokenizer", "bfloat16", 16, 1)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -113,6 +112,11 @@ def load_trace(path: Path, n: int, tokens_per_id: int, seed: int) -> list[TraceR
     return out
 
 
+def root_hash(block_size: int) -> bytes:
+    """The root every worker and the router share (one model revision and tokenizer)."""
+    return CacheKeyRoot("bench-revision", "bench-tokenizer", "bfloat16", block_size, 1).root_hash()
+
+
 # -- workers ---------------------------------------------------------------------------------------
 
 
@@ -146,7 +150,7 @@ class SimWorker:
         pool = BlockPool(num_blocks)
         publisher = KVEventPublisher(name, IndexSink(index))
         pool.add_listener(publisher)
-        return cls(name, KVCacheManager(pool, block_size, ROOT.root_hash()), publisher)
+        return cls(name, KVCacheManager(pool, block_size, root_hash(block_size)), publisher)
 
     def load(self, now: float) -> int:
         while self.finishes and self.finishes[0] <= now:
@@ -192,7 +196,7 @@ def replay(trace: list[TraceRequest], workers: int, num_blocks: int, block_size:
     index = InMemoryBlockIndex()
     sims = [SimWorker.make(f"prefill-{i}", num_blocks, block_size, index) for i in range(workers)]
     routing = PrefillRouting(RoutingConfig(unknown_request_tokens=0))
-    root, out = ROOT.root_hash(), Result()
+    root, out = root_hash(block_size), Result()
     for rid, r in enumerate(trace):
         now = r.arrival_s
         if policy == "round-robin":

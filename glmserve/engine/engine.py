@@ -34,7 +34,7 @@ from glmserve.model.paged_cache import PagedKVCache
 from glmserve.model.revision import model_revision
 from glmserve.text.detokenizer import IncrementalDetokenizer
 from glmserve.text.tokenizer import Tokenizer
-from glmserve.text.tokenizer_digest import tokenizer_digest
+from glmserve.text.tokenizer_digest import tokenizer_digest as tokenizer_files_digest
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +117,7 @@ class Engine:
         model = load_model(model_dir, dtype=dtype)
         tokenizer = Tokenizer.from_dir(model_dir)
         return cls(model, EngineConfig(**config), revision=model_revision(model_dir, revision),
-                   tokenizer=tokenizer, tokenizer_digest=tokenizer_digest(model_dir))
+                   tokenizer=tokenizer, tokenizer_digest=tokenizer_files_digest(model_dir))
 
     # --- requests -------------------------------------------------------------------------------
 

@@ -115,10 +115,17 @@ def test_a_repeat_is_cached_up_to_the_last_token_and_routed_to_the_holder(stack:
     assert cached(stack.client, ids) == 0
     held = holders(stack, stack.prefill[0], ids)
     assert list(held.values()) == [4]  # exactly one prefill worker computed it
-    before = decisions(stack.router)
+    before, m0 = decisions(stack.router), stack.router.metrics()
     for _ in range(2):  # the other worker would report 0: a hit proves the route
         assert cached(stack.client, ids) == 256
     assert decisions(stack.router)["cache_hit"] - before["cache_hit"] == 2
+    m1 = stack.router.metrics()
+    for name, labels, delta in [("glmserve_prefix_cache_hit_tokens_total", (("tier", "device"),), 512),
+                                ("glmserve_prefix_cache_hit_tokens_total", (("tier", "host"),), 0),
+                                ("glmserve_prefix_cache_prompt_tokens_total", (), 600),
+                                ("glmserve_prefix_cache_lookups_total", (("result", "hit"), ("source", "kvstore")), 2)]:
+        assert m1[(name, labels)] - m0.get((name, labels), 0) == delta, name
+    assert m1[("glmserve_router_kv_index_up", ())] == 1 and 0 < m1[("glmserve_prefix_cache_hit_ratio", ())] < 1
     exact = prompt(2, 4 * BS)  # an exact multiple: the last block is recomputed
     cached(stack.client, exact)
     assert cached(stack.client, exact) == 3 * BS
