@@ -3,42 +3,17 @@ index contents after batches, an outage that must not block the pool, and the re
 
 from __future__ import annotations
 
-import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 
+from kvstore_fixtures import kvstore
 from redis_fixtures import free_port
 
 from glmserve.kv.block_index import PrefixMatch
 from glmserve.kv.block_pool import BlockPool
 from glmserve.services.kv_events import KVEventPublisher
 from glmserve.services.kvstore.client import KVStoreClient
-from glmserve.services.kvstore.main import KVStoreConfig, serve
 
 H = [bytes([i + 1]) * 16 for i in range(8)]
-
-
-@contextmanager
-def kvstore(port: int) -> Iterator[KVStoreClient]:
-    stop = threading.Event()
-    thread = threading.Thread(target=serve, args=(KVStoreConfig(port=port, grace_s=0.1), stop), daemon=True)
-    thread.start()
-    client = KVStoreClient(f"127.0.0.1:{port}", timeout_s=2.0)
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            client.health()
-            break
-        except Exception:
-            assert time.monotonic() < deadline, "kvstore did not start"
-            time.sleep(0.05)
-    try:
-        yield client
-    finally:
-        client.close()
-        stop.set()
-        thread.join(timeout=10)
 
 
 def committed_pool(n: int, hashes: list[bytes], publisher: KVEventPublisher) -> tuple[BlockPool, list[int]]:
