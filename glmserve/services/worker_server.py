@@ -61,6 +61,15 @@ def check_port(field: str, value: int | None) -> None:
         raise ValueError(f"{field}: must be in [0, 65535], got {value}")
 
 
+def check_kvstore(value: str | None) -> None:
+    """``--kvstore`` is None or ``host:port``."""
+    if value is None:
+        return
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"kvstore: expected host:port, got {value!r}")
+
+
 def build_backend(kind: str, host: str, timeout_s: float) -> KVTransferBackend:
     """The transfer backend ``kind`` asks for (auto: NIXL when it imports); a TCP receiver listens on
     ``host``. Writes are failed and fenced after ``timeout_s`` (the agreed timeout's writer half)."""

@@ -26,6 +26,7 @@ from glmserve.services.worker_server import (
     add_common_args,
     build_backend,
     build_engine,
+    check_kvstore,
     check_port,
     run_worker,
     setup_logging,
@@ -49,6 +50,7 @@ class PrefillConfig:
     def __post_init__(self) -> None:
         check_port("port", self.port)
         check_port("metrics_port", self.metrics_port)
+        check_kvstore(self.kvstore)
         if not self.worker_id:
             raise ValueError("worker_id: must not be empty")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
