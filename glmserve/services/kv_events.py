@@ -21,8 +21,11 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Protocol
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from glmserve.kv.block_index import Tier
 from glmserve.services.kvstore.client import BlockEvent, EventKind, KVStoreError
@@ -136,6 +139,24 @@ class KVEventPublisher:
         if events:
             self._sink.publish(events)
             self.published_events += len(events)
+
+
+class PublisherCollector(Collector):
+    """The publisher's state on the worker's ``/metrics``: ``glmserve_kv_events_published_total``,
+    ``glmserve_kv_events_publish_failures_total`` and ``glmserve_kv_index_in_sync`` (0 during a
+    kvstore outage, until the resync)."""
+
+    def __init__(self, publisher: KVEventPublisher) -> None:
+        self._p = publisher
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        yield CounterMetricFamily("glmserve_kv_events_published", "Block events sent to the kvstore index.",
+                                  value=self._p.published_events)
+        yield CounterMetricFamily("glmserve_kv_events_publish_failures",
+                                  "Flushes that could not reach the kvstore.", value=self._p.failures)
+        yield GaugeMetricFamily("glmserve_kv_index_in_sync",
+                                "1: the kvstore index holds this worker's blocks; 0: resync pending.",
+                                value=1.0 if self._p.in_sync else 0.0)
 
 
 def _coalesce(worker: str, batch: list[tuple[EventKind, bytes]], max_hashes: int) -> list[BlockEvent]:

@@ -23,7 +23,7 @@ import grpc
 from prometheus_client import CollectorRegistry, start_http_server
 
 from glmserve.kv.transfer import KVTransferBackend, make_backend, nixl_unavailable_reason
-from glmserve.services.kv_events import KVEventPublisher
+from glmserve.services.kv_events import KVEventPublisher, PublisherCollector
 from glmserve.services.kvstore.client import KVStoreClient
 
 if TYPE_CHECKING:
@@ -103,6 +103,12 @@ def start_block_events(kvstore: str | None, worker_id: str) -> KVEventPublisher 
     publisher = KVEventPublisher(worker_id, KVStoreClient(kvstore, timeout_s=0.5))
     publisher.start()
     return publisher
+
+
+def expose_block_events(publisher: KVEventPublisher | None, registry: CollectorRegistry | None) -> None:
+    """Serve the publisher's state on the worker's metrics endpoint."""
+    if publisher is not None and registry is not None:
+        registry.register(PublisherCollector(publisher))
 
 
 def setup_logging() -> None:

@@ -62,3 +62,23 @@ def test_an_outage_never_blocks_the_pool_and_the_index_is_resynced_after_it() ->
         assert client.lookup(H[:5]) == {"w1": PrefixMatch(4, 0)}
         assert client.lookup([H[4]]) == {}
     publisher.close()  # kvstore gone again: close must still return promptly
+
+
+def test_publisher_state_is_exposed_as_metrics() -> None:
+    from prometheus_client import CollectorRegistry
+
+    from glmserve.services.kv_events import PublisherCollector
+
+    port = free_port()
+    publisher = KVEventPublisher("w1", KVStoreClient(f"127.0.0.1:{port}", timeout_s=0.3))
+    registry = CollectorRegistry()
+    registry.register(PublisherCollector(publisher))
+    assert not publisher.flush()  # nothing listens on the port yet
+    assert registry.get_sample_value("glmserve_kv_index_in_sync") == 0
+    assert registry.get_sample_value("glmserve_kv_events_publish_failures_total") == 1
+    with kvstore(port):
+        committed_pool(2, H[:2], publisher)
+        assert publisher.flush()
+        assert registry.get_sample_value("glmserve_kv_index_in_sync") == 1
+        assert registry.get_sample_value("glmserve_kv_events_published_total") == 1  # one stored event
+        publisher.close()

@@ -32,6 +32,7 @@ from glmserve.services.worker_server import (
     build_engine,
     check_kvstore,
     check_port,
+    expose_block_events,
     run_worker,
     setup_logging,
     start_block_events,
@@ -88,6 +89,7 @@ async def serve(config: DecodeConfig) -> int:
         metrics=lambda engine: WorkerMetrics("decode", config.worker_id, lambda: engine.snapshot),
     )
     servicer = DecodeServicer(worker, config.worker_id)
+    expose_block_events(publisher, worker.metrics.registry if worker.metrics is not None else None)
     try:
         return await run_worker(
             worker,
