@@ -242,7 +242,8 @@ def _bring_up(launcher: Launcher) -> str:
         for i in range(count):
             workers[kind].append(launcher.start(
                 f"{kind}-{i}", _WORKER_MODULES[kind], "--model", str(cfg.model), "--host", cfg.host,
-                "--port", "0", "--worker-id", f"{kind}-{i}", "--transfer", cfg.transfer))
+                "--port", "0", "--worker-id", f"{kind}-{i}", "--transfer", cfg.transfer,
+                "--kvstore", kvstore.address))
     checks: dict[Child, Callable[[], bool]] = {kvstore: _kvstore_ready(kvstore.address)}
     checks.update({c: (lambda c=c: c.announced) for group in workers.values() for c in group})
     launcher.wait_ready(checks, deadline)

@@ -34,6 +34,7 @@ from glmserve.model.paged_cache import PagedKVCache
 from glmserve.model.revision import model_revision
 from glmserve.text.detokenizer import IncrementalDetokenizer
 from glmserve.text.tokenizer import Tokenizer
+from glmserve.text.tokenizer_digest import tokenizer_digest as tokenizer_files_digest
 
 log = logging.getLogger(__name__)
 # Decode positions an idle MTP layer may fall behind before its KV gets a hole (bounded memory).
@@ -76,7 +77,10 @@ class Engine:
         config: EngineConfig = EngineConfig(),
         revision: str = "",
         tokenizer: Tokenizer | None = None,
+        tokenizer_digest: str | None = None,
     ):
+        """``revision`` / ``tokenizer_digest`` enter the prefix-cache root, so KV is only reused for
+        the same weights and token meaning (``from_model_dir`` computes both from the files)."""
         self.model = model
         self.tokenizer = tokenizer
         self.config = config
@@ -91,7 +95,9 @@ class Engine:
         self.pool = BlockPool(num_blocks)
         root = None
         if config.prefix_caching:
-            key = CacheKeyRoot(revision or "unversioned", "engine-token-ids", str(model.dtype), config.block_size, LAYOUT_VERSION)
+            # Without a tokenizer digest the engine only ever sees token ids: a fixed tag says so.
+            key = CacheKeyRoot(revision or "unversioned", tokenizer_digest or "token-ids-only",
+                               str(model.dtype), config.block_size, LAYOUT_VERSION)
             root = key.root_hash()
         self.kv = KVCacheManager(self.pool, config.block_size, root)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_step_tokens), self.kv)
@@ -107,10 +113,13 @@ class Engine:
         self.stats = EngineStats()
 
     @classmethod
-    def from_model_dir(cls, model_dir: str | Path, dtype: torch.dtype = torch.float32, **config) -> Engine:
+    def from_model_dir(cls, model_dir: str | Path, dtype: torch.dtype = torch.float32,
+                       revision: str | None = None, **config) -> Engine:
+        """``revision``: an explicit model revision (else the digest of the checkpoint files)."""
         model = load_model(model_dir, dtype=dtype)
         tokenizer = Tokenizer.from_dir(model_dir)
-        return cls(model, EngineConfig(**config), revision=model_revision(model_dir), tokenizer=tokenizer)
+        return cls(model, EngineConfig(**config), revision=model_revision(model_dir, revision),
+                   tokenizer=tokenizer, tokenizer_digest=tokenizer_files_digest(model_dir))
 
     # --- requests -------------------------------------------------------------------------------
 
@@ -121,9 +130,11 @@ class Engine:
         params: SamplingParams,
         priority: int = 0,
         hold_blocks: bool = False,
+        cache_salt: str | None = None,
     ) -> Request:
         """Queue a request. `hold_blocks` (prefill workers): when it finishes, its blocks stay allocated
-        and `held[request_id]` keeps it, with `last_hidden` set, until `release(request_id)`."""
+        and `held[request_id]` keeps it, with `last_hidden` set, until `release(request_id)`.
+        `cache_salt`: the tenant's prefix-cache salt (only requests with the same salt share KV)."""
         if request_id in self.requests or request_id in self.held:
             raise ValueError(f"request_id: {request_id!r} is already running")
         if len(prompt_ids) + params.max_tokens > self.model.config.max_position_embeddings:
@@ -133,7 +144,8 @@ class Engine:
             raise ValueError(f"prompt_ids: token ids out of range: {bad[:5]}")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop: stop strings need an engine with a tokenizer")
-        req = Request(request_id, list(prompt_ids), params, priority=priority, hold_blocks=hold_blocks)
+        req = Request(request_id, list(prompt_ids), params, priority=priority, hold_blocks=hold_blocks,
+                      cache_salt=cache_salt or None)
         req.stop_checker = StopChecker(params, self.eos_ids)
         if self.tokenizer is not None:
             req.detokenizer = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=True)
@@ -179,14 +191,14 @@ class Engine:
 
     def add_prefilled(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, first_token: int,
-        last_hidden: torch.Tensor, num_cached: int = 0,
+        last_hidden: torch.Tensor, num_cached: int = 0, cache_salt: str | None = None,
     ) -> StepOutput:
         """Continue a request whose prompt KV (main and MTP layers) is in its reserved blocks.
 
         `last_hidden` is the prefill worker's normed hidden state at the last prompt position: with the
         first token it seeds MTP drafting. Returns the first token's output (it may already finish)."""
         blocks = self.reserved.pop(request_id)
-        req = Request(request_id, list(prompt_ids), params)
+        req = Request(request_id, list(prompt_ids), params, cache_salt=cache_salt or None)
         req.stop_checker = StopChecker(params, self.eos_ids)
         if self.tokenizer is not None:
             req.detokenizer = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=True)

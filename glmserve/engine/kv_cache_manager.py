@@ -26,7 +26,8 @@ class KVCacheManager:
         if self.root_hash is None or req.block_ids:
             return
         n = reusable_blocks(len(req.prompt_ids), self.block_size)
-        hashes = block_hashes(self.root_hash, req.prompt_ids[: n * self.block_size], self.block_size)
+        hashes = block_hashes(self.root_hash, req.prompt_ids[: n * self.block_size], self.block_size,
+                              salt=req.cache_salt)
         hits = self.pool.lookup(hashes)
         if hits:
             self.pool.acquire(hits)
@@ -64,7 +65,8 @@ class KVCacheManager:
             i = len(req.block_hashes)
             prev = req.block_hashes[-1] if req.block_hashes else self.root_hash
             block = tokens[i * self.block_size : (i + 1) * self.block_size]
-            (digest,) = block_hashes(prev, block, self.block_size)
+            salt = req.cache_salt if i == 0 else None  # the salt enters block 0; later ones chain
+            (digest,) = block_hashes(prev, block, self.block_size, salt=salt)
             self.pool.commit(req.block_ids[i], digest)
             req.block_hashes.append(digest)
 

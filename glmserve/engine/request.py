@@ -52,6 +52,7 @@ class Request:
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     first_token_time: float | None = None
     num_preemptions: int = 0
+    cache_salt: str | None = None  # tenant prefix-cache salt: enters the hash of block 0
     hold_blocks: bool = False  # prefill-only: keep the blocks after finishing, until released
     last_hidden: torch.Tensor | None = None  # normed hidden state of the last prompt token (MTP seed)
     stop_checker: StopChecker | None = None

@@ -19,10 +19,23 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
+from typing import Protocol
 
 from glmserve.core.errors import GlmServeError
 
 EvictionCallback = Callable[[int, bytes], None]
+
+
+class BlockListener(Protocol):
+    """Told when a hash enters or leaves the prefix-cache map (e.g. to publish it to the kvstore).
+
+    Called on the pool's owning thread after the pool is consistent, once per hash: ``stored`` from
+    a ``commit`` that cached a new hash (chain order, as the engine commits), ``removed`` when
+    ``allocate`` evicts a cached block. Must be quick and must not raise (the engine step is waiting)."""
+
+    def block_stored(self, block_hash: bytes) -> None: ...
+
+    def block_removed(self, block_hash: bytes) -> None: ...
 
 
 class OutOfBlocks(GlmServeError):
@@ -59,6 +72,11 @@ class BlockPool:
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self._cached: dict[bytes, int] = {}
         self._num_used = 0
+        self._listeners: list[BlockListener] = []
+
+    def add_listener(self, listener: BlockListener) -> None:
+        """Tell ``listener`` about every later stored / removed hash (see ``BlockListener``)."""
+        self._listeners.append(listener)
 
     # -- counters ---------------------------------------------------------------------------------
 
@@ -113,6 +131,9 @@ class BlockPool:
         if self._on_evict is not None:
             for block_id, block_hash in evicted:
                 self._on_evict(block_id, block_hash)
+        for listener in self._listeners:
+            for _, block_hash in evicted:
+                listener.block_removed(block_hash)
         return out
 
     def lookup(self, hashes: Iterable[bytes]) -> list[int]:
@@ -196,6 +217,8 @@ class BlockPool:
             return False
         self._hash[block_id] = block_hash
         self._cached[block_hash] = block_id
+        for listener in self._listeners:
+            listener.block_stored(block_hash)
         return True
 
     # -- checks -----------------------------------------------------------------------------------

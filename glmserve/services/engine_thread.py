@@ -48,6 +48,7 @@ class EngineSnapshot:
     used_blocks: int = 0
     total_blocks: int = 0
     block_size: int = 0
+    cache_root: bytes = b""  # prefix-cache root hash (empty: caching off); the router hashes with it
     prompt_tokens: int = 0
     generated_tokens: int = 0
     acceptance_lengths: dict[int, int] = field(default_factory=dict)
@@ -65,6 +66,7 @@ class EngineSnapshot:
             used_blocks=engine.pool.num_used,
             total_blocks=engine.pool.num_blocks,
             block_size=engine.config.block_size,
+            cache_root=engine.kv.root_hash or b"",
             prompt_tokens=stats.prompt_tokens,
             generated_tokens=stats.generated_tokens,
             acceptance_lengths=dict(stats.acceptance_lengths),

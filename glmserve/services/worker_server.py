@@ -17,12 +17,17 @@ import logging
 import signal
 import sys
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
 from prometheus_client import CollectorRegistry, start_http_server
 
 from glmserve.kv.transfer import KVTransferBackend, make_backend, nixl_unavailable_reason
+from glmserve.services.kv_events import KVEventPublisher, PublisherCollector
+from glmserve.services.kvstore.client import KVStoreClient
+
+if TYPE_CHECKING:
+    from glmserve.engine.engine import Engine
 
 log = logging.getLogger(__name__)
 
@@ -45,11 +50,24 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
                    help="KV transfer: NIXL when it imports (auto), or TCP")
     p.add_argument("--metrics-port", type=int, default=None, help="Prometheus endpoint (off if absent)")
     p.add_argument("--kv-cache-bytes", type=int, default=None, help="KV cache size (engine default if absent)")
+    p.add_argument("--kvstore", default=None,
+                   help="host:port of the kvstore: publish this worker's cached blocks to its index")
+    p.add_argument("--revision", default=None,
+                   help="model revision for the prefix-cache key (default: a digest of the checkpoint)")
 
 
 def check_port(field: str, value: int | None) -> None:
     if value is not None and not 0 <= value <= 65535:
         raise ValueError(f"{field}: must be in [0, 65535], got {value}")
+
+
+def check_kvstore(value: str | None) -> None:
+    """``--kvstore`` is None or ``host:port``."""
+    if value is None:
+        return
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"kvstore: expected host:port, got {value!r}")
 
 
 def build_backend(kind: str, host: str, timeout_s: float) -> KVTransferBackend:
@@ -64,6 +82,33 @@ def build_backend(kind: str, host: str, timeout_s: float) -> KVTransferBackend:
     if kind == "tcp":
         options["host"] = host
     return make_backend(kind, **options)
+
+
+def build_engine(model: str, revision: str | None, config: dict[str, Any],
+                 publisher: KVEventPublisher | None) -> Engine:
+    """The worker's engine (on its engine thread), its pool's events going to ``publisher``."""
+    from glmserve.engine.engine import Engine  # torch: imported here, not at module import
+
+    engine = Engine.from_model_dir(model, revision=revision, **config)
+    if publisher is not None:
+        engine.pool.add_listener(publisher)
+    return engine
+
+
+def start_block_events(kvstore: str | None, worker_id: str) -> KVEventPublisher | None:
+    """The publisher of this worker's block events to ``kvstore`` (None: no kvstore), started.
+    Attach it to the engine's pool with ``engine.pool.add_listener``; ``close()`` it on exit."""
+    if kvstore is None:
+        return None
+    publisher = KVEventPublisher(worker_id, KVStoreClient(kvstore, timeout_s=0.5))
+    publisher.start()
+    return publisher
+
+
+def expose_block_events(publisher: KVEventPublisher | None, registry: CollectorRegistry | None) -> None:
+    """Serve the publisher's state on the worker's metrics endpoint."""
+    if publisher is not None and registry is not None:
+        registry.register(PublisherCollector(publisher))
 
 
 def setup_logging() -> None:

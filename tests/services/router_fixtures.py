@@ -16,7 +16,7 @@ import httpx
 import uvicorn
 
 from glmserve.engine.sampling_params import SamplingParams
-from glmserve.services.router.backend import GenerationBackend, GenerationEvent
+from glmserve.services.router.backend import GenerationBackend, GenerationEvent, RequestHints
 
 # The bundled model; GLMSERVE_TEST_MODEL_DIR points the tests at another dir of the same format.
 MODEL_DIR = Path(
@@ -70,6 +70,7 @@ class ScriptedBackend(GenerationBackend):
         self.delay_s = delay_s
         self.generated: list[tuple[str, list[int], SamplingParams]] = []
         self.aborted: list[str] = []
+        self.hints: list[RequestHints | None] = []
         self.is_ready = True
         self.fail_with: str | None = None  # an error message for the next requests' first event
 
@@ -80,9 +81,11 @@ class ScriptedBackend(GenerationBackend):
         self.aborted.append(request_id)
 
     async def generate(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+        hints: RequestHints | None = None,
     ) -> AsyncIterator[GenerationEvent]:
         self.generated.append((request_id, list(prompt_ids), params))
+        self.hints.append(hints)
         if self.fail_with is not None:
             yield GenerationEvent(request_id, finished=True, finish_reason="error", error=self.fail_with)
             return

@@ -60,8 +60,10 @@ class _Ended(Exception):
 
 class DecodeFlow:
     def __init__(self, ctx: FlowContext, request_id: str, generation: int, prompt_ids: list[int],
-                 params: SamplingParams, prefill_target: str, timer: TokenTimer | None) -> None:
+                 params: SamplingParams, prefill_target: str, timer: TokenTimer | None,
+                 cache_salt: str = "") -> None:
         self._ctx = ctx
+        self.cache_salt = cache_salt  # tenant prefix-cache salt, for prefill and our own commits
         self.request_id, self.generation = request_id, generation
         self.key = f"{request_id}@{generation}"  # the engine's request id
         self._prompt, self._params, self._target, self._timer = prompt_ids, params, prefill_target, timer
@@ -148,7 +150,7 @@ class DecodeFlow:
         arrival = ctx.arrivals.expect(self.request_id, self.generation)
         call = asyncio.create_task(ctx.prefill.prefill(self._target, PrefillCall(
             self.request_id, self.generation, self._prompt, self._params, ctx.target, dest,
-            ctx.transfer_kind, s.checksum), s.prefill_timeout_s))
+            ctx.transfer_kind, s.checksum, self.cache_salt), s.prefill_timeout_s))
         await _first(call, self._aborted, s.prefill_timeout_s + 1.0)  # the call has its own deadline
         if not call.done() or call.exception() is not None:
             ctx.arrivals.forget(self.request_id, self.generation)
@@ -244,7 +246,8 @@ def _admit(engine: Engine, flow: DecodeFlow, prompt: list[int], params: Sampling
     except (StampError, ValueError):
         engine.release(key)
         raise
-    return engine.add_prefilled(key, prompt, params, answer.first_token, hidden, answer.num_cached_tokens)
+    return engine.add_prefilled(key, prompt, params, answer.first_token, hidden, answer.num_cached_tokens,
+                                cache_salt=flow.cache_salt)
 
 
 async def _first(future: asyncio.Future[Any], event: asyncio.Event, timeout_s: float) -> None:

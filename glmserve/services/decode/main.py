@@ -29,9 +29,13 @@ from glmserve.services.worker_server import (
     DEFAULT_TRANSFER_TIMEOUT_S,
     add_common_args,
     build_backend,
+    build_engine,
+    check_kvstore,
     check_port,
+    expose_block_events,
     run_worker,
     setup_logging,
+    start_block_events,
 )
 
 
@@ -44,12 +48,15 @@ class DecodeConfig:
     transfer: str = "auto"
     metrics_port: int | None = None
     kv_cache_bytes: int | None = None
+    kvstore: str | None = None  # host:port: publish block events to its index
+    revision: str | None = None  # explicit model revision for the prefix-cache key
     prefill_timeout_s: float = 60.0
     checksum: bool = False
 
     def __post_init__(self) -> None:
         check_port("port", self.port)
         check_port("metrics_port", self.metrics_port)
+        check_kvstore(self.kvstore)
         if not self.worker_id:
             raise ValueError("worker_id: must not be empty")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
@@ -71,27 +78,31 @@ class DecodeConfig:
 
 
 async def serve(config: DecodeConfig) -> int:
-    from glmserve.engine.engine import Engine  # torch: imported here, not at module import
-
+    publisher = start_block_events(config.kvstore, config.worker_id)
     # A receiver's transfers are bounded by the writers' timeouts; ours only matters for close().
     backend = build_backend(config.transfer, config.host, DEFAULT_TRANSFER_TIMEOUT_S)
     worker = DecodeWorker(
-        lambda: Engine.from_model_dir(config.model, **config.engine_config()),
+        lambda: build_engine(config.model, config.revision, config.engine_config(), publisher),
         backend,
         GrpcPrefillClient(),
         DecodeSettings(prefill_timeout_s=config.prefill_timeout_s, checksum=config.checksum),
         metrics=lambda engine: WorkerMetrics("decode", config.worker_id, lambda: engine.snapshot),
     )
     servicer = DecodeServicer(worker, config.worker_id)
-    return await run_worker(
-        worker,
-        lambda server: pb_grpc.add_DecodeServicer_to_server(servicer, server),
-        host=config.host,
-        port=config.port,
-        registry=worker.metrics.registry if worker.metrics is not None else None,
-        metrics_port=config.metrics_port,
-        name=f"decode worker {config.worker_id} ({backend.kind} transfer)",
-    )
+    expose_block_events(publisher, worker.metrics.registry if worker.metrics is not None else None)
+    try:
+        return await run_worker(
+            worker,
+            lambda server: pb_grpc.add_DecodeServicer_to_server(servicer, server),
+            host=config.host,
+            port=config.port,
+            registry=worker.metrics.registry if worker.metrics is not None else None,
+            metrics_port=config.metrics_port,
+            name=f"decode worker {config.worker_id} ({backend.kind} transfer)",
+        )
+    finally:
+        if publisher is not None:
+            await asyncio.to_thread(publisher.close)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -40,6 +40,7 @@ class PrefillCall:
     dest_block_ids: Sequence[int]
     transfer_kind: str
     checksum: bool
+    cache_salt: str = ""  # tenant prefix-cache salt; empty: none
 
 
 @dataclass(frozen=True)
@@ -120,6 +121,7 @@ class GrpcPrefillClient:
             dest_block_ids=list(call.dest_block_ids),
             transfer_kind=call.transfer_kind,
             checksum=call.checksum,
+            cache_salt=call.cache_salt,
         )
         try:
             reply = await self._stub(target).Prefill(request, timeout=timeout_s)

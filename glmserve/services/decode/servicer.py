@@ -36,6 +36,7 @@ class DecodeServicer(pb_grpc.DecodeServicer):
                 list(request.prompt_ids),
                 from_proto(request.sampling),
                 request.prefill_target,
+                request.cache_salt,
             )
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))

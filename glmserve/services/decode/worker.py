@@ -144,7 +144,7 @@ class DecodeWorker:
 
     async def generate(
         self, request_id: str, generation: int, prompt_ids: Sequence[int], params: SamplingParams,
-        prefill_target: str,
+        prefill_target: str, cache_salt: str = "",
     ) -> DecodeStream:
         """Reserve the request's blocks and start it. Raises, with nothing held: ``ValueError``
         naming the field for bad input, `DecodeFull` when the blocks are not there, and
@@ -159,7 +159,7 @@ class DecodeWorker:
         self._context.validate(prompt_ids, params)
         timer = TokenTimer(self.metrics) if self.metrics is not None else None
         flow = DecodeFlow(self._context, request_id, generation, list(prompt_ids), params,
-                          prefill_target, timer)
+                          prefill_target, timer, cache_salt)
         self._flows[request_id], self._by_key[flow.key] = flow, flow
         try:
             await flow.reserve()

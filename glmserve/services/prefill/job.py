@@ -37,6 +37,7 @@ class PrefillJob:
     dest_block_ids: Sequence[int]  # the receiver's blocks, in order, covering the prompt
     transfer_kind: str
     checksum: bool = False
+    cache_salt: str = ""  # tenant prefix-cache salt; empty: none
 
 
 @dataclass(frozen=True)
@@ -60,3 +61,5 @@ class WorkerHealth:
     running: int
     waiting: int
     free_blocks: int
+    cache_root: bytes = b""  # the engine's prefix-cache root hash (empty: caching off)
+    block_size: int = 0

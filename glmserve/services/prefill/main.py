@@ -25,9 +25,13 @@ from glmserve.services.worker_server import (
     DEFAULT_TRANSFER_TIMEOUT_S,
     add_common_args,
     build_backend,
+    build_engine,
+    check_kvstore,
     check_port,
+    expose_block_events,
     run_worker,
     setup_logging,
+    start_block_events,
 )
 
 
@@ -40,11 +44,14 @@ class PrefillConfig:
     transfer: str = "auto"
     metrics_port: int | None = None
     kv_cache_bytes: int | None = None
+    kvstore: str | None = None  # host:port: publish block events to its index
+    revision: str | None = None  # explicit model revision for the prefix-cache key
     transfer_timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S
 
     def __post_init__(self) -> None:
         check_port("port", self.port)
         check_port("metrics_port", self.metrics_port)
+        check_kvstore(self.kvstore)
         if not self.worker_id:
             raise ValueError("worker_id: must not be empty")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
@@ -65,24 +72,28 @@ class PrefillConfig:
 
 
 async def serve(config: PrefillConfig) -> int:
-    from glmserve.engine.engine import Engine  # torch: imported here, not at module import
-
+    publisher = start_block_events(config.kvstore, config.worker_id)
     backend = build_backend(config.transfer, config.host, config.transfer_timeout_s)
     worker = PrefillWorker(
-        lambda: Engine.from_model_dir(config.model, **config.engine_config()),
+        lambda: build_engine(config.model, config.revision, config.engine_config(), publisher),
         backend,
         metrics=lambda engine: WorkerMetrics("prefill", config.worker_id, lambda: engine.snapshot),
     )
     servicer = PrefillServicer(worker, config.worker_id)
-    return await run_worker(
-        worker,
-        lambda server: pb_grpc.add_PrefillServicer_to_server(servicer, server),
-        host=config.host,
-        port=config.port,
-        registry=worker.metrics.registry if worker.metrics is not None else None,
-        metrics_port=config.metrics_port,
-        name=f"prefill worker {config.worker_id} ({backend.kind} transfer)",
-    )
+    expose_block_events(publisher, worker.metrics.registry if worker.metrics is not None else None)
+    try:
+        return await run_worker(
+            worker,
+            lambda server: pb_grpc.add_PrefillServicer_to_server(servicer, server),
+            host=config.host,
+            port=config.port,
+            registry=worker.metrics.registry if worker.metrics is not None else None,
+            metrics_port=config.metrics_port,
+            name=f"prefill worker {config.worker_id} ({backend.kind} transfer)",
+        )
+    finally:
+        if publisher is not None:
+            await asyncio.to_thread(publisher.close)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

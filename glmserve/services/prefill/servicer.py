@@ -49,7 +49,8 @@ class PrefillServicer(pb_grpc.PrefillServicer):
     async def Health(self, request: pb.HealthRequest, context: grpc.aio.ServicerContext) -> pb.HealthReply:
         h = self._worker.health()
         return pb.HealthReply(ready=h.ready, worker_id=self._worker_id, running=h.running,
-                              waiting=h.waiting, free_blocks=h.free_blocks)
+                              waiting=h.waiting, free_blocks=h.free_blocks, cache_root=h.cache_root,
+                              block_size=h.block_size)
 
 
 def _job(request: pb.PrefillRequest) -> PrefillJob:
@@ -65,4 +66,5 @@ def _job(request: pb.PrefillRequest) -> PrefillJob:
         dest_block_ids=list(request.dest_block_ids),
         transfer_kind=request.transfer_kind,
         checksum=request.checksum,
+        cache_salt=request.cache_salt,
     )

@@ -107,7 +107,7 @@ class PrefillWorker:
     def health(self) -> WorkerHealth:
         s = self._engine.snapshot
         ready = s.loaded and self._engine.alive and not self._closing
-        return WorkerHealth(ready, s.running + s.held, s.waiting, s.free_blocks)
+        return WorkerHealth(ready, s.running + s.held, s.waiting, s.free_blocks, s.cache_root, s.block_size)
 
     # --- prefill ----------------------------------------------------------------------------------
 
@@ -160,7 +160,9 @@ class PrefillWorker:
             job.stage = "compute"
             params = dataclasses.replace(spec.params, max_tokens=1, stop=())  # stop strings: decode's job
             prompt = list(spec.prompt_ids)
-            await self._engine.submit(lambda e: e.add_request(job.key, prompt, params, hold_blocks=True))
+            salt = spec.cache_salt or None
+            await self._engine.submit(lambda e: e.add_request(job.key, prompt, params, hold_blocks=True,
+                                                              cache_salt=salt))
             held = await job.held
             try:
                 self._raise_if_aborted(job)

@@ -19,12 +19,13 @@ from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from glmserve.services.router import openai_protocol as proto
 from glmserve.services.router import openai_responses as resp
 from glmserve.services.router import serving
-from glmserve.services.router.backend import GenerationBackend
+from glmserve.services.router.backend import GenerationBackend, RequestHints
 from glmserve.services.router.errors import (
     APIError,
     from_value_error,
@@ -36,6 +37,7 @@ from glmserve.services.router.errors import (
 )
 from glmserve.services.router.metrics import RouterMetrics
 from glmserve.services.router.output_processor import OutputProcessor
+from glmserve.services.router.request_hints import request_hints
 from glmserve.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -100,6 +102,11 @@ def create_app(
         if not backend.ready():
             raise service_unavailable()
 
+    def hints_of(request: Request, body: dict[str, Any]) -> RequestHints:
+        # Keys configured: authorize() already checked this one, so it names the tenant.
+        token = request.headers.get("authorization", "").partition(" ")[2].strip() if keys else None
+        return request_hints(request.headers, body, token)
+
     async def run(
         request: Request,
         arrival: float,
@@ -108,11 +115,12 @@ def create_app(
         options: proto.GenerationOptions,
         param: str,
         tools: list[dict[str, Any]] | None,
+        hints: RequestHints,
         whole: Callable[[serving.Generation, serving.Collected], dict[str, Any]],
         streamed: Callable[[serving.Generation, OutputProcessor], AsyncIterator[str]],
     ) -> Response:
         params = options.sampling_params(len(prompt_ids), max_context, param)
-        gen = serving.Generation(backend, metrics, rid, prompt_ids, params, request.receive, arrival)
+        gen = serving.Generation(backend, metrics, rid, prompt_ids, params, request.receive, arrival, hints)
         processor = OutputProcessor(tokenizer, params, keep_tool_markup=tools is not None)
         if options.stream:
             return StreamingResponse(
@@ -129,8 +137,10 @@ def create_app(
     @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
     async def chat_completions(request: Request) -> Response:
         arrival = time.monotonic()
-        req = proto.parse_chat_request(await body_of(request))
+        body = await body_of(request)
+        req = proto.parse_chat_request(body)
         proto.check_model(req.options, model_name)
+        hints = hints_of(request, body)
         admit()
         try:
             prompt_ids = await asyncio.to_thread(tokenizer.apply_chat_template, req.messages, req.tools)
@@ -145,6 +155,7 @@ def create_app(
             req.options,
             "messages",
             req.tools,
+            hints,
             lambda g, c: serving.chat_response(g, c, req.tools, rid, created, model_name),
             lambda g, p: serving.chat_stream(
                 g, p, req.tools, req.options.include_usage, rid, created, model_name
@@ -154,8 +165,10 @@ def create_app(
     @app.post("/v1/completions", dependencies=[Depends(authorize)])
     async def completions(request: Request) -> Response:
         arrival = time.monotonic()
-        req = proto.parse_completion_request(await body_of(request), tokenizer.vocab_size)
+        body = await body_of(request)
+        req = proto.parse_completion_request(body, tokenizer.vocab_size)
         proto.check_model(req.options, model_name)
+        hints = hints_of(request, body)
         admit()
         prompt = req.prompt
         prompt_ids = await asyncio.to_thread(tokenizer.encode, prompt) if isinstance(prompt, str) else prompt
@@ -170,6 +183,7 @@ def create_app(
             req.options,
             "prompt",
             None,
+            hints,
             lambda g, c: serving.completion_response(g, c, rid, created, model_name),
             lambda g, p: serving.completion_stream(g, p, req.options.include_usage, rid, created, model_name),
         )
@@ -184,13 +198,17 @@ def create_app(
 
     @app.get("/ready")
     async def ready() -> JSONResponse:
+        detail = backend.readiness_detail()
         if backend.ready():
-            return JSONResponse({"status": "ready"})
-        return JSONResponse({"status": "not ready"}, status_code=503, headers={"Retry-After": "1"})
+            return JSONResponse({"status": "ready", **detail})
+        return JSONResponse({"status": "not ready", **detail}, status_code=503, headers={"Retry-After": "1"})
 
     @app.get("/metrics")
     async def metrics_text() -> Response:
         body, content_type = metrics.render()
+        extra = backend.metrics_registry()
+        if extra is not None:  # distinct metric names: two expositions concatenate into one
+            body += generate_latest(extra)
         return Response(body, media_type=content_type)
 
     _install_error_handlers(app, metrics)

@@ -10,6 +10,9 @@ from __future__ import annotations
 import abc
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client import CollectorRegistry
 
 from glmserve.engine.sampling_params import SamplingParams
 
@@ -40,6 +43,20 @@ class GenerationEvent:
     error: str | None = None
 
 
+@dataclass(frozen=True)
+class RequestHints:
+    """What the router knows about a request besides its tokens (see the README, "Prefix cache").
+
+    - ``session_id``: an agent session (header ``x-session-id``, else the request's ``user``);
+      its turns stay on the prefill worker that holds its KV while that worker is not overloaded.
+    - ``cache_salt``: the tenant's prefix-cache salt; requests only share cached KV when their
+      salts are equal (None: the shared, unsalted cache).
+    """
+
+    session_id: str | None = None
+    cache_salt: str | None = None
+
+
 class BackendUnavailable(Exception):
     """The backend cannot take a request now (not started, full, workers down); the router answers 503."""
 
@@ -66,9 +83,11 @@ class GenerationBackend(abc.ABC):
 
     @abc.abstractmethod
     def generate(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+        hints: RequestHints | None = None,
     ) -> AsyncIterator[GenerationEvent]:
-        """Stream the request's events (see the class docstring)."""
+        """Stream the request's events (see the class docstring); ``hints`` may steer caching and
+        placement, never the tokens."""
 
     @abc.abstractmethod
     async def abort(self, request_id: str) -> None:
@@ -77,6 +96,14 @@ class GenerationBackend(abc.ABC):
     @abc.abstractmethod
     def ready(self) -> bool:
         """True when a new request would be accepted now."""
+
+    def readiness_detail(self) -> dict[str, Any]:
+        """Extra fields for ``/ready`` (e.g. where prefix lookups are answered); cheap."""
+        return {}
+
+    def metrics_registry(self) -> CollectorRegistry | None:
+        """The backend's own Prometheus metrics, served on ``/metrics`` next to the app's."""
+        return None
 
     async def start(self) -> None:  # noqa: B027 - optional hook, a no-op by default
         """Begin serving (load models, connect to workers); may return before ``ready()``."""

@@ -1,6 +1,8 @@
 """DisaggregatedBackend: the router's `GenerationBackend` over prefill and decode workers (gRPC).
 
-Per request: pick a decode and a prefill worker (`WorkerPool`), give the attempt a fresh
+Per request: pick a decode worker (`WorkerPool`: load and free blocks) and a prefill worker
+(`PrefixRouter`: the prompt's cached prefix per worker, from the kvstore index or the router's
+local view, plus queued work, sessions and the herding guard), give the attempt a fresh
 *generation*, open ``Decode.Generate`` naming the prefill worker; decode drives prefill and the KV
 transfer and streams tokens back. The router itself only polls ``Health`` on the workers.
 
@@ -15,7 +17,9 @@ Failures, from the router's point of view:
   once, so a dead one leaves the choice within a round trip instead of a poll interval.
 - ``abort`` / the consumer leaving: the call is cancelled, which aborts the request in decode and
   prefill at once; an open stream ends with ``finish_reason="abort"``.
-Nothing blocks the event loop (grpc.aio throughout). A kvstore that is down does not stop serving.
+Nothing blocks the event loop (grpc.aio throughout). A kvstore that is down does not stop serving:
+prefix lookups then use the router's local view (``/ready`` and ``glmserve_router_kv_index_up``
+say so).
 """
 
 from __future__ import annotations
@@ -39,7 +43,14 @@ from glmserve.proto_gen.glmserve.kvstore.v1 import kvstore_pb2_grpc as kvstore_g
 from glmserve.proto_gen.glmserve.prefill.v1 import prefill_pb2 as prefill_pb
 from glmserve.proto_gen.glmserve.prefill.v1 import prefill_pb2_grpc as prefill_grpc
 from glmserve.services import sampling_proto
-from glmserve.services.router.backend import BackendUnavailable, GenerationBackend, GenerationEvent
+from glmserve.services.router.backend import (
+    BackendUnavailable,
+    GenerationBackend,
+    GenerationEvent,
+    RequestHints,
+)
+from glmserve.services.router.prefill_routing import RoutingConfig
+from glmserve.services.router.prefix_router import PrefixRouter, RoutedPrefill
 from glmserve.services.router.worker_pool import HealthReport, WorkerPool, WorkerView
 
 log = logging.getLogger(__name__)
@@ -75,8 +86,9 @@ class _Stream:
 
 class DisaggregatedBackend(GenerationBackend):
     """`GenerationBackend` over decode workers at ``decode`` and prefill workers at ``prefill``
-    (``host:port`` each); see the module docstring. ``kvstore``: the block index service, polled
-    for its health (prefix-aware routing will read it). Create and use it inside one event loop."""
+    (``host:port`` each); see the module docstring. ``kvstore``: the block index service (prefix
+    lookups; polled for its health). ``routing``: the prefill routing policy's settings.
+    Create and use it inside one event loop."""
 
     def __init__(
         self,
@@ -87,6 +99,7 @@ class DisaggregatedBackend(GenerationBackend):
         poll_interval_s: float = 0.5,
         health_timeout_s: float = 1.0,
         max_attempts: int = 3,
+        routing: RoutingConfig | None = None,
     ):
         if poll_interval_s <= 0 or health_timeout_s <= 0 or max_attempts < 1:
             raise ValueError("poll_interval_s, health_timeout_s: must be > 0; max_attempts: >= 1")
@@ -101,6 +114,8 @@ class DisaggregatedBackend(GenerationBackend):
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._tasks: set[asyncio.Task[None]] = set()  # the poller and one-off re-polls
         self._started = self._closed = False
+        self.prefix_router = PrefixRouter(self.prefill_pool, routing or RoutingConfig(),
+                                          lambda: self.kvstore_up)
 
     # --- GenerationBackend ------------------------------------------------------------------------
 
@@ -111,6 +126,8 @@ class DisaggregatedBackend(GenerationBackend):
         kvstore = [self.kvstore_address] if self.kvstore_address is not None else []
         for address in {*self.decode_pool.addresses, *self.prefill_pool.addresses, *kvstore}:
             self._channels[address] = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        if self.kvstore_address is not None:
+            self.prefix_router.connect(self.kvstore_address)
         self._spawn(self._poll_forever())
 
     async def close(self) -> None:
@@ -126,6 +143,7 @@ class DisaggregatedBackend(GenerationBackend):
         await asyncio.sleep(0)  # let the streams see their cancellation before the channels go
         for channel in self._channels.values():
             await channel.close()
+        await self.prefix_router.close()
 
     def ready(self) -> bool:
         return (self._started and not self._closed
@@ -139,8 +157,16 @@ class DisaggregatedBackend(GenerationBackend):
         if stream.call is not None:
             stream.call.cancel()  # decode sees the cancellation and aborts prefill and transfer
 
+    def readiness_detail(self) -> dict[str, Any]:
+        return {"prefix_index": self.prefix_router.index_source()}
+
+    def metrics_registry(self) -> Any:
+        self.prefix_router.refresh_index_gauge()
+        return self.prefix_router.metrics.registry
+
     async def generate(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+        hints: RequestHints | None = None,
     ) -> AsyncIterator[GenerationEvent]:
         if not self._started or self._closed:
             raise BackendUnavailable("the router is not connected to workers")
@@ -149,7 +175,8 @@ class DisaggregatedBackend(GenerationBackend):
         stream = self._streams[request_id] = _Stream()
         finished = False
         try:
-            async with aclosing(self._attempts(request_id, stream, prompt_ids, params)) as events:
+            attempts = self._attempts(request_id, stream, prompt_ids, params, hints or RequestHints())
+            async with aclosing(attempts) as events:
                 async for event in events:
                     finished = event.finished
                     yield event
@@ -165,26 +192,31 @@ class DisaggregatedBackend(GenerationBackend):
     # --- one request --------------------------------------------------------------------------------
 
     async def _attempts(
-        self, request_id: str, stream: _Stream, prompt_ids: list[int], params: SamplingParams
+        self, request_id: str, stream: _Stream, prompt_ids: list[int], params: SamplingParams,
+        hints: RequestHints,
     ) -> AsyncIterator[GenerationEvent]:
         """Try decode workers until one streams (see the module docstring for the failure rules)."""
         tried: list[str] = []
         sampling = sampling_proto.to_proto(params)
         while True:
             decode = self.decode_pool.choose(exclude=tried)
-            prefill = self.prefill_pool.choose()
-            if decode is None or prefill is None:
-                raise BackendUnavailable(f"no healthy {'decode' if decode is None else 'prefill'} worker")
+            if decode is None:
+                raise BackendUnavailable("no healthy decode worker")
+            routed = await self.prefix_router.route(prompt_ids, hints)
+            if routed is None:
+                raise BackendUnavailable("no healthy prefill worker")
+            prefill = routed.address
             if stream.aborted:
                 yield GenerationEvent(request_id, finished=True, finish_reason="abort")
                 return
             request = decode_pb.GenerateRequest(
                 transfer=common_pb.TransferId(request_id=request_id, generation=next(self._generations)),
                 prompt_ids=prompt_ids, sampling=sampling, prefill_target=prefill,
+                cache_salt=hints.cache_salt or "",
             )
             stream.call = decode_grpc.DecodeStub(self._channels[decode]).Generate(request)
             outcome: list[grpc.aio.AioRpcError] = []
-            async with aclosing(self._relay(request_id, stream, decode, prefill, outcome)) as events:
+            async with aclosing(self._relay(request_id, stream, decode, routed, outcome)) as events:
                 async for event in events:
                     yield event
             if not outcome:
@@ -195,19 +227,20 @@ class DisaggregatedBackend(GenerationBackend):
                 raise BackendUnavailable(f"decode workers refused the request: {outcome[0].details()}")
 
     async def _relay(
-        self, request_id: str, stream: _Stream, decode: str, prefill: str,
+        self, request_id: str, stream: _Stream, decode: str, routed: RoutedPrefill,
         retry: list[grpc.aio.AioRpcError],
     ) -> AsyncIterator[GenerationEvent]:
         """Events of one attempt, ending with a final event; or nothing, with the error appended to
         ``retry``, when the call failed retryably before its first event."""
+        prefill = routed.address
         self.decode_pool.acquire(decode)
-        self.prefill_pool.acquire(prefill)  # prefill is busy until decode's first event
+        self.prefix_router.acquire(routed)  # prefill is busy until decode's first event
         holds_prefill, got_event = True, False
         try:
             while True:
                 msg = await stream.call.read()
                 if holds_prefill:
-                    self.prefill_pool.release(prefill)
+                    self.prefix_router.release(routed, msg if msg is not grpc.aio.EOF else None)
                     holds_prefill = False
                 if msg is grpc.aio.EOF:
                     yield _error_event(request_id, f"decode worker {decode} ended the stream early")
@@ -240,7 +273,7 @@ class DisaggregatedBackend(GenerationBackend):
         finally:
             self.decode_pool.release(decode)
             if holds_prefill:
-                self.prefill_pool.release(prefill)
+                self.prefix_router.release(routed, None)
 
     # --- health -----------------------------------------------------------------------------------
 
@@ -275,7 +308,8 @@ class DisaggregatedBackend(GenerationBackend):
         report, error, slow = None, None, False
         try:
             reply = await stub_type(self._channels[address]).Health(request, timeout=self._health_timeout_s)
-            report = HealthReport(reply.ready, reply.worker_id, reply.running, reply.waiting, reply.free_blocks)
+            report = HealthReport(reply.ready, reply.worker_id, reply.running, reply.waiting, reply.free_blocks,
+                                  *((reply.cache_root, reply.block_size) if pool is self.prefill_pool else ()))
         except grpc.aio.AioRpcError as e:
             error, slow = f"health: {e.code().name}: {e.details()}", e.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         if pool.report(address, report, epoch, error, slow):

@@ -23,7 +23,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from glmserve.engine.sampling_params import SamplingParams
-from glmserve.services.router.backend import BackendUnavailable, GenerationBackend, GenerationEvent
+from glmserve.services.router.backend import (
+    BackendUnavailable,
+    GenerationBackend,
+    GenerationEvent,
+    RequestHints,
+)
 
 if TYPE_CHECKING:
     from glmserve.engine.engine import Engine
@@ -86,7 +91,8 @@ class LocalEngineBackend(GenerationBackend):
         return alive and self._loaded.is_set() and len(self._streams) < self._max_pending
 
     async def generate(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+        hints: RequestHints | None = None,
     ) -> AsyncIterator[GenerationEvent]:
         if not self._loaded.is_set() or self._closed or not self._thread.is_alive():
             raise BackendUnavailable("the engine is not running")
@@ -94,7 +100,8 @@ class LocalEngineBackend(GenerationBackend):
             raise ValueError(f"request_id: {request_id!r} is already running")
         events: asyncio.Queue[GenerationEvent] = asyncio.Queue()
         self._streams[request_id] = events
-        self._commands.put(("add", request_id, list(prompt_ids), params))
+        salt = hints.cache_salt if hints is not None else None  # one engine: no placement to steer
+        self._commands.put(("add", request_id, list(prompt_ids), params, salt))
         finished = False
         try:
             while not finished:
@@ -186,9 +193,10 @@ class LocalEngineBackend(GenerationBackend):
         request_id: str,
         prompt_ids: list[int],
         params: SamplingParams,
+        cache_salt: str | None,
     ) -> None:
         try:
-            live[request_id] = engine.add_request(request_id, prompt_ids, params)
+            live[request_id] = engine.add_request(request_id, prompt_ids, params, cache_salt=cache_salt)
         except ValueError as e:
             self._post(GenerationEvent(request_id, finished=True, finish_reason="error", error=str(e)))
 

@@ -26,6 +26,7 @@ import uvicorn
 
 from glmserve.services.router.app import create_app
 from glmserve.services.router.grpc_backend import DisaggregatedBackend
+from glmserve.services.router.prefill_routing import RoutingConfig
 from glmserve.services.router.worker_pool import check_address
 from glmserve.text.tokenizer import Tokenizer
 
@@ -48,6 +49,7 @@ class RouterConfig:
     served_model_name: str | None = None  # default: the model directory's name
     poll_interval_s: float = 0.5
     graceful_shutdown_s: float = 5.0
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
 
     def __post_init__(self) -> None:
         if not (self.model / "config.json").is_file():
@@ -77,9 +79,20 @@ class RouterConfig:
                        help="require this key (repeatable)")
         p.add_argument("--served-model-name", default=None)
         p.add_argument("--poll-interval", type=float, default=cls.poll_interval_s, dest="poll_interval_s")
+        r = RoutingConfig()
+        p.add_argument("--session-ttl-s", type=float, default=r.session_ttl_s,
+                       help="how long an agent session stays on its prefill worker after a turn")
+        p.add_argument("--max-imbalance", type=int, default=r.max_imbalance,
+                       help="requests of extra load a cache hit or a session may buy")
+        p.add_argument("--host-credit", type=float, default=r.host_credit,
+                       help="fraction of a host-tier hit counted as saved prefill (device hits: 1)")
+        p.add_argument("--shared-prefix-fraction", type=float, default=r.shared_prefix_fraction,
+                       help="a hit below this fraction of the prompt does not justify a busier worker")
         a = p.parse_args(argv)
+        routing = RoutingConfig(host_credit=a.host_credit, max_imbalance=a.max_imbalance,
+                                shared_prefix_fraction=a.shared_prefix_fraction, session_ttl_s=a.session_ttl_s)
         return cls(a.model, tuple(a.decode), tuple(a.prefill), a.host, a.port, a.kvstore,
-                   tuple(a.api_keys), a.served_model_name, a.poll_interval_s)
+                   tuple(a.api_keys), a.served_model_name, a.poll_interval_s, routing=routing)
 
 
 class _Server(uvicorn.Server):
@@ -109,7 +122,7 @@ async def serve(config: RouterConfig) -> bool:
     model_config = json.loads((config.model / "config.json").read_text())
     tokenizer = await asyncio.to_thread(Tokenizer.from_dir, config.model)
     backend = DisaggregatedBackend(config.decode, config.prefill, config.kvstore,
-                                   poll_interval_s=config.poll_interval_s)
+                                   poll_interval_s=config.poll_interval_s, routing=config.routing)
     app = create_app(backend, tokenizer, model_name=config.served_model_name or config.model.name,
                      api_keys=list(config.api_keys) or None,
                      max_context=model_config["max_position_embeddings"])

@@ -18,7 +18,12 @@ import anyio
 
 from glmserve.engine.sampling_params import SamplingParams
 from glmserve.services.router import openai_responses as resp
-from glmserve.services.router.backend import BackendUnavailable, GenerationBackend, GenerationEvent
+from glmserve.services.router.backend import (
+    BackendUnavailable,
+    GenerationBackend,
+    GenerationEvent,
+    RequestHints,
+)
 from glmserve.services.router.errors import APIError, internal_error, service_unavailable
 from glmserve.services.router.metrics import RouterMetrics
 from glmserve.services.router.output_processor import OutputProcessor, TokenLogprob
@@ -39,7 +44,9 @@ class Generation:
         params: SamplingParams,
         receive: Receive,
         arrival: float,
+        hints: RequestHints | None = None,
     ):
+        self.hints = hints
         self.backend, self.metrics, self.request_id = backend, metrics, request_id
         self.prompt_ids, self.params, self._receive, self.arrival = prompt_ids, params, receive, arrival
         self.disconnected = False
@@ -63,7 +70,7 @@ class Generation:
         status: int | None = None  # an error status; else decided in `finally`
         finished = False
         try:
-            stream = self.backend.generate(self.request_id, self.prompt_ids, self.params)
+            stream = self.backend.generate(self.request_id, self.prompt_ids, self.params, self.hints)
             async with aclosing(stream):
                 async for event in stream:
                     tracker.on_tokens(len(event.token_ids))

@@ -31,6 +31,8 @@ class HealthReport:
     running: int = 0
     waiting: int = 0
     free_blocks: int = 0
+    cache_root: bytes = b""  # prefill: root of its prefix-cache hash chain (empty: caching off)
+    block_size: int = 0
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,8 @@ class WorkerView:
     free_blocks: int
     worker_id: str
     last_error: str | None
+    cache_root: bytes = b""
+    block_size: int = 0
 
 
 @dataclass
@@ -157,6 +161,8 @@ class WorkerPool:
     def views(self) -> list[WorkerView]:
         return [
             WorkerView(w.address, w.healthy, w.load, w.inflight, w.free_blocks,
-                       w.report.worker_id if w.report is not None else "", w.last_error)
+                       w.report.worker_id if w.report is not None else "", w.last_error,
+                       w.report.cache_root if w.report is not None else b"",
+                       w.report.block_size if w.report is not None else 0)
             for w in self._workers.values()
         ]

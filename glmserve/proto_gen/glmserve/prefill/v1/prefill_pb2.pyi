@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("transfer", "prompt_ids", "sampling", "decode_target", "dest_block_ids", "transfer_kind", "checksum")
+    __slots__ = ("transfer", "prompt_ids", "sampling", "decode_target", "dest_block_ids", "transfer_kind", "checksum", "cache_salt")
     TRANSFER_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,7 @@ class PrefillRequest(_message.Message):
     DEST_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_KIND_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     transfer: _generation_pb2.TransferId
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _generation_pb2.Sampling
@@ -24,7 +25,8 @@ class PrefillRequest(_message.Message):
     dest_block_ids: _containers.RepeatedScalarFieldContainer[int]
     transfer_kind: str
     checksum: bool
-    def __init__(self, transfer: _Optional[_Union[_generation_pb2.TransferId, _Mapping]] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.Sampling, _Mapping]] = ..., decode_target: _Optional[bytes] = ..., dest_block_ids: _Optional[_Iterable[int]] = ..., transfer_kind: _Optional[str] = ..., checksum: _Optional[bool] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, transfer: _Optional[_Union[_generation_pb2.TransferId, _Mapping]] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.Sampling, _Mapping]] = ..., decode_target: _Optional[bytes] = ..., dest_block_ids: _Optional[_Iterable[int]] = ..., transfer_kind: _Optional[str] = ..., checksum: _Optional[bool] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class PrefillReply(_message.Message):
     __slots__ = ("first_token", "first_logprob", "mtp_hidden", "stamp", "num_cached_tokens")
@@ -61,15 +63,19 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthReply(_message.Message):
-    __slots__ = ("ready", "worker_id", "running", "waiting", "free_blocks")
+    __slots__ = ("ready", "worker_id", "running", "waiting", "free_blocks", "cache_root", "block_size")
     READY_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_ROOT_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     ready: bool
     worker_id: str
     running: int
     waiting: int
     free_blocks: int
-    def __init__(self, ready: _Optional[bool] = ..., worker_id: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., free_blocks: _Optional[int] = ...) -> None: ...
+    cache_root: bytes
+    block_size: int
+    def __init__(self, ready: _Optional[bool] = ..., worker_id: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., free_blocks: _Optional[int] = ..., cache_root: _Optional[bytes] = ..., block_size: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,175 @@
+"""KVEventPublisher: ships a worker's device-tier block events to the kvstore index, off the step.
+
+It is a ``BlockListener`` on the engine's ``BlockPool``: ``block_stored`` / ``block_removed`` only
+append to a deque (O(1), no lock, no I/O), so an engine step never waits for the network. A daemon
+thread wakes every ``flush_interval_s`` and publishes what accumulated as one ``PublishEvents``
+batch (consecutive events of the same kind coalesced into one ``BlockEvent``).
+
+A kvstore outage must not break serving, and must not leave the index wrong afterwards:
+
+- The publisher keeps a mirror of the hashes this worker holds (stored adds, removed drops), so
+  what it knows is bounded by the pool size however long the outage lasts.
+- A failed publish marks the index out of sync; the next flush that reaches the kvstore first drops
+  everything indexed for this worker (``RemoveWorker``) and then stores the whole mirror. The same
+  resync runs on the first flush after start, so a restarted worker with the same id never leaves
+  stale entries behind.
+- ``close`` publishes what is pending, then removes the worker from the index.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from collections.abc import Iterator, Sequence
+from typing import Protocol
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from glmserve.kv.block_index import Tier
+from glmserve.services.kvstore.client import BlockEvent, EventKind, KVStoreError
+
+log = logging.getLogger(__name__)
+
+
+class EventSink(Protocol):
+    """What the publisher needs of the kvstore (``KVStoreClient`` is one)."""
+
+    def publish(self, events: Sequence[BlockEvent]) -> int: ...
+
+    def remove_worker(self, worker: str) -> int: ...
+
+
+class KVEventPublisher:
+    """See the module docstring. ``start()`` runs the flusher thread; ``flush()`` is one round."""
+
+    def __init__(self, worker_id: str, sink: EventSink, *, flush_interval_s: float = 0.05,
+                 max_hashes_per_event: int = 4096) -> None:
+        if not worker_id:
+            raise ValueError("worker_id: must not be empty")
+        if flush_interval_s <= 0 or max_hashes_per_event < 1:
+            raise ValueError("flush_interval_s: must be > 0; max_hashes_per_event: >= 1")
+        self.worker_id, self._sink = worker_id, sink
+        self._interval, self._max_hashes = flush_interval_s, max_hashes_per_event
+        self._pending: deque[tuple[EventKind, bytes]] = deque()
+        self._held: dict[bytes, None] = {}  # the mirror, in store order (chain order per request)
+        self._in_sync = False  # False: the index may differ from the mirror (start, outage)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._flush_lock = threading.Lock()  # flush() from a test or close() vs the thread
+        self.published_events = 0
+        self.failures = 0
+
+    # -- BlockListener (engine thread) ------------------------------------------------------------
+
+    def block_stored(self, block_hash: bytes) -> None:
+        self._pending.append(("stored", block_hash))
+
+    def block_removed(self, block_hash: bytes) -> None:
+        self._pending.append(("removed", block_hash))
+
+    # -- flushing ---------------------------------------------------------------------------------
+
+    @property
+    def in_sync(self) -> bool:
+        """True when the last flush reached the kvstore (the index matches the mirror)."""
+        return self._in_sync
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name=f"kv-events-{self.worker_id}", daemon=True)
+        self._thread.start()
+
+    def flush(self) -> bool:
+        """Publish what is pending (or resync the whole mirror); True when the kvstore took it."""
+        with self._flush_lock:
+            batch = self._take_pending()
+            try:
+                if not self._in_sync:
+                    self._resync()
+                elif batch:
+                    self._send(_coalesce(self.worker_id, batch, self._max_hashes))
+            except KVStoreError as e:
+                self.failures += 1
+                if self._in_sync or self.failures == 1:
+                    log.warning("kvstore unreachable, block events held for a resync: %s", e)
+                self._in_sync = False
+                return False
+            if not self._in_sync:
+                log.info("block index resynced for worker %s (%d blocks)", self.worker_id, len(self._held))
+            self._in_sync = True
+            return True
+
+    def close(self) -> None:
+        """Stop the thread, publish what is pending, and drop this worker from the index."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        if self.flush():
+            try:
+                self._sink.remove_worker(self.worker_id)
+            except KVStoreError as e:
+                log.warning("could not remove worker %s from the block index: %s", self.worker_id, e)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            try:
+                self.flush()
+            except Exception:  # a bug: keep the thread alive, serving goes on regardless
+                log.exception("block event flush failed")
+
+    def _take_pending(self) -> list[tuple[EventKind, bytes]]:
+        """Pop what the engine appended and apply it to the mirror."""
+        batch: list[tuple[EventKind, bytes]] = []
+        while self._pending:  # popleft is atomic: the engine thread may append meanwhile
+            kind, h = self._pending.popleft()
+            if kind == "stored":
+                self._held[h] = None
+            else:
+                self._held.pop(h, None)
+            batch.append((kind, h))
+        return batch
+
+    def _resync(self) -> None:
+        self._sink.remove_worker(self.worker_id)
+        batch: list[tuple[EventKind, bytes]] = [("stored", h) for h in self._held]
+        self._send(_coalesce(self.worker_id, batch, self._max_hashes))
+
+    def _send(self, events: list[BlockEvent]) -> None:
+        if events:
+            self._sink.publish(events)
+            self.published_events += len(events)
+
+
+class PublisherCollector(Collector):
+    """The publisher's state on the worker's ``/metrics``: ``glmserve_kv_events_published_total``,
+    ``glmserve_kv_events_publish_failures_total`` and ``glmserve_kv_index_in_sync`` (0 during a
+    kvstore outage, until the resync)."""
+
+    def __init__(self, publisher: KVEventPublisher) -> None:
+        self._p = publisher
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        yield CounterMetricFamily("glmserve_kv_events_published", "Block events sent to the kvstore index.",
+                                  value=self._p.published_events)
+        yield CounterMetricFamily("glmserve_kv_events_publish_failures",
+                                  "Flushes that could not reach the kvstore.", value=self._p.failures)
+        yield GaugeMetricFamily("glmserve_kv_index_in_sync",
+                                "1: the kvstore index holds this worker's blocks; 0: resync pending.",
+                                value=1.0 if self._p.in_sync else 0.0)
+
+
+def _coalesce(worker: str, batch: list[tuple[EventKind, bytes]], max_hashes: int) -> list[BlockEvent]:
+    """Runs of the same kind become one event each (order kept), at most ``max_hashes`` hashes."""
+    events: list[BlockEvent] = []
+    run: list[bytes] = []
+    kind: EventKind | None = None
+    for k, h in batch:
+        if run and (k != kind or len(run) >= max_hashes):
+            events.append(BlockEvent(kind, worker, Tier.DEVICE, run))  # type: ignore[arg-type]
+            run = []
+        kind = k
+        run.append(h)
+    if run:
+        events.append(BlockEvent(kind, worker, Tier.DEVICE, run))  # type: ignore[arg-type]
+    return events

@@ -1,0 +1,75 @@
+"""The router as a real process on 127.0.0.1 for tests: ``RouterProcess.launch(...)`` starts
+``python -m glmserve.services.router.main`` on a free port and waits for its ``READY`` line and
+``/ready``; ``stop()`` sends SIGTERM. ``metrics()`` parses its ``/metrics``."""
+
+from __future__ import annotations
+
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+from worker_fixtures import MODEL_DIR, REPO
+
+
+class RouterProcess:
+    def __init__(self, proc: subprocess.Popen[bytes], log: Path) -> None:
+        self.proc, self.log, self.url = proc, log, ""
+
+    @classmethod
+    def launch(cls, log: Path, prefill: list[str], decode: list[str], kvstore: str | None,
+               *extra: str, timeout_s: float = 60.0) -> RouterProcess:
+        cmd = [sys.executable, "-m", "glmserve.services.router.main", "--model", str(MODEL_DIR),
+               "--host", "127.0.0.1", "--port", "0", "--prefill", ",".join(prefill),
+               "--decode", ",".join(decode), "--poll-interval", "0.2", *extra]
+        if kvstore is not None:
+            cmd += ["--kvstore", kvstore]
+        path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+        env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
+        with open(log, "ab") as err:
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, env=env, cwd=REPO)
+        router = cls(proc, log)
+        router._wait(timeout_s)
+        return router
+
+    def _wait(self, timeout_s: float) -> None:
+        assert self.proc.stdout is not None
+        deadline = time.monotonic() + timeout_s
+        with selectors.DefaultSelector() as sel:
+            sel.register(self.proc.stdout, selectors.EVENT_READ)
+            while not self.url:
+                if time.monotonic() > deadline or not sel.select(max(0.0, deadline - time.monotonic())):
+                    self.stop()
+                    raise RuntimeError(f"router not ready:\n{self.log.read_text()}")
+                line = self.proc.stdout.readline().decode()
+                if not line:
+                    raise RuntimeError(f"router exited:\n{self.log.read_text()}")
+                if line.startswith("READY "):
+                    self.url = line.split()[1]
+        while self.ready().status_code != 200:
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"router never ready:\n{self.log.read_text()}")
+            time.sleep(0.1)
+
+    def ready(self) -> httpx.Response:
+        return httpx.get(f"{self.url}/ready", timeout=5)
+
+    def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        text = httpx.get(f"{self.url}/metrics", timeout=5).text
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for family in text_string_to_metric_families(text) for s in family.samples}
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()

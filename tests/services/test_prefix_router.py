@@ -1,0 +1,98 @@
+"""PrefixRouter (the router's adapter) against a real kvstore gRPC server in this process: hashes
+under each worker's reported root, lookups, queued tokens, the local view while the kvstore is gone,
+and the metrics it keeps. Fast: no model, no worker processes."""
+
+from __future__ import annotations
+
+import asyncio
+
+from kvstore_fixtures import kvstore
+from redis_fixtures import free_port
+
+from glmserve.core.block_hash import CacheKeyRoot, block_hashes
+from glmserve.kv.block_index import Tier
+from glmserve.services.router.backend import RequestHints
+from glmserve.services.router.prefix_router import PrefixRouter
+from glmserve.services.router.worker_pool import HealthReport, WorkerPool
+
+BS = 16
+ROOT_A = CacheKeyRoot("rev-a", "tok", "bfloat16", BS, 1).root_hash()
+ROOT_B = CacheKeyRoot("rev-b", "tok", "bfloat16", BS, 1).root_hash()
+PROMPT = list(range(100, 200))  # 6 full blocks, all reusable (floor(99 / 16) = 6)
+
+
+class FirstEvent:  # the two fields PrefixRouter.release reads of decode's first event
+    finish_reason = ""
+
+    def __init__(self, num_cached_tokens: int) -> None:
+        self.num_cached_tokens = num_cached_tokens
+
+
+def pool(roots: dict[str, bytes]) -> WorkerPool:
+    p = WorkerPool("prefill", [f"127.0.0.1:{6000 + i}" for i in range(len(roots))])
+    for address, (worker_id, root) in zip(p.addresses, roots.items(), strict=True):
+        p.report(address, HealthReport(True, worker_id, free_blocks=100, cache_root=root, block_size=BS),
+                 p.epoch(address))
+    return p
+
+
+def metric(router: PrefixRouter, name: str, **labels: str) -> float:
+    value = router.metrics.registry.get_sample_value(name, labels or None)
+    return 0.0 if value is None else value
+
+
+def test_routes_to_the_holder_under_its_own_root_then_falls_back_to_the_local_view() -> None:
+    port = free_port()
+
+    async def scenario() -> None:
+        with kvstore(port) as client:
+            router = PrefixRouter(pool({"p-a": ROOT_A, "p-b": ROOT_B}), kvstore_up=lambda: None)
+            router.connect(f"127.0.0.1:{port}")
+            # p-b caches the prompt's tokens, but under revision B's root; p-a under its own, 3 blocks.
+            client.publish_stored("p-b", Tier.DEVICE, block_hashes(ROOT_B, PROMPT, BS))
+            client.publish_stored("p-a", Tier.DEVICE, block_hashes(ROOT_A, PROMPT, BS)[:3])
+            routed = await router.route(PROMPT, RequestHints())
+            assert (routed.worker_id, routed.decision.reason) == ("p-b", "cache_hit")
+            assert routed.decision.device_hit_tokens == 96
+            salted = await router.route(PROMPT, RequestHints(cache_salt="tenant"))
+            assert salted.decision.device_hit_tokens == 0 and salted.decision.reason == "load"
+            # queued work counts until the prefill ends
+            router.acquire(routed)
+            assert router._queued_tokens[routed.address] == 4
+            router.release(routed, FirstEvent(96))
+            assert router._queued_tokens[routed.address] == 0
+            assert metric(router, "glmserve_prefix_cache_hit_tokens_total", tier="device") == 96
+            assert metric(router, "glmserve_prefix_cache_lookups_total", source="kvstore", result="hit") == 1
+            assert router.index_source() == "kvstore"
+            await router.close()
+            router.connect(f"127.0.0.1:{port}")
+        # kvstore gone: the lookup fails once, then the local view (which saw the prefill on p-b)
+        again = await router.route(PROMPT, RequestHints())
+        assert (again.worker_id, again.decision.device_hit_tokens) == ("p-b", 96)
+        assert router.index_source() == "local"
+        assert metric(router, "glmserve_prefix_cache_lookups_total", source="local", result="hit") == 1
+        fresh = await router.route(list(range(300, 400)), RequestHints())
+        assert fresh.decision.reason == "fallback"  # nothing known anywhere, no index to ask
+        router.refresh_index_gauge()
+        assert metric(router, "glmserve_router_kv_index_up") == 0
+        await router.close()
+
+    asyncio.run(scenario())
+
+
+def test_without_a_kvstore_the_local_view_routes_repeats() -> None:
+    async def scenario() -> None:
+        router = PrefixRouter(pool({"p-a": ROOT_A, "p-b": ROOT_A}))
+        first = await router.route(PROMPT, RequestHints(session_id="s"))
+        router.acquire(first)
+        router.release(first, FirstEvent(0))
+        for _ in range(3):
+            d = (await router.route(PROMPT, RequestHints())).decision
+            assert (d.address, d.reason, d.device_hit_tokens) == (first.address, "cache_hit", 96)
+        failed = await router.route(list(range(500, 600)), RequestHints())
+        router.acquire(failed)
+        router.release(failed, None)  # no first event: nothing was cached
+        assert router.local_view.num_blocks() == 6
+        assert router.index_source() == "local"
+
+    asyncio.run(scenario())
