@@ -28,6 +28,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from glmserve.kv.block_pool import IntegrityError
+from glmserve.kv.transfer.stamp import TransferStamp
+
+
+def write_stamp(lease_id: int) -> TransferStamp:
+    """The stamp a worker writes a write lease's blocks with (the kvstore waits for its completion)."""
+    return TransferStamp(f"host-write-{lease_id}", 0)
 
 
 @dataclass
@@ -99,6 +105,10 @@ class HostBlockPool:
 
     def contains(self, block_hash: bytes) -> bool:
         return block_hash in self._stored
+
+    def is_live(self, lease_id: int) -> bool:
+        """Whether a read or write lease is still held (not ended, not expired)."""
+        return lease_id in self._reads or lease_id in self._writes
 
     def match(self, hashes: Sequence[bytes]) -> int:
         """Length of the leading run of ``hashes`` stored here."""

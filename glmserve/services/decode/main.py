@@ -26,10 +26,13 @@ from glmserve.services.decode.servicer import DecodeServicer
 from glmserve.services.decode.worker import DecodeSettings, DecodeWorker
 from glmserve.services.worker_metrics import WorkerMetrics
 from glmserve.services.worker_server import (
+    DEFAULT_STAGING_BLOCKS,
     DEFAULT_TRANSFER_TIMEOUT_S,
     add_common_args,
     build_backend,
     check_port,
+    engine_options,
+    host_settings,
     run_worker,
     setup_logging,
 )
@@ -44,6 +47,9 @@ class DecodeConfig:
     transfer: str = "auto"
     metrics_port: int | None = None
     kv_cache_bytes: int | None = None
+    kvstore: str | None = None  # host:port: use the kvstore's host tier
+    host_write_through: str = "on"
+    host_staging_blocks: int = DEFAULT_STAGING_BLOCKS
     prefill_timeout_s: float = 60.0
     checksum: bool = False
 
@@ -52,6 +58,10 @@ class DecodeConfig:
         check_port("metrics_port", self.metrics_port)
         if not self.worker_id:
             raise ValueError("worker_id: must not be empty")
+        if self.host_write_through not in ("on", "off"):
+            raise ValueError(f"host_write_through: must be 'on' or 'off', got {self.host_write_through!r}")
+        if self.host_staging_blocks < 0:
+            raise ValueError(f"host_staging_blocks: must be >= 0, got {self.host_staging_blocks}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
             raise ValueError(f"kv_cache_bytes: must be > 0, got {self.kv_cache_bytes}")
         if self.prefill_timeout_s <= 0:
@@ -67,7 +77,7 @@ class DecodeConfig:
         return cls(**vars(p.parse_args(argv)))
 
     def engine_config(self) -> dict[str, int]:
-        return {} if self.kv_cache_bytes is None else {"kv_cache_bytes": self.kv_cache_bytes}
+        return engine_options(self.kv_cache_bytes, self.kvstore, self.host_staging_blocks)
 
 
 async def serve(config: DecodeConfig) -> int:
@@ -81,6 +91,7 @@ async def serve(config: DecodeConfig) -> int:
         GrpcPrefillClient(),
         DecodeSettings(prefill_timeout_s=config.prefill_timeout_s, checksum=config.checksum),
         metrics=lambda engine: WorkerMetrics("decode", config.worker_id, lambda: engine.snapshot),
+        host=host_settings(config.kvstore, config.worker_id, config.host_write_through),
     )
     servicer = DecodeServicer(worker, config.worker_id)
     return await run_worker(

@@ -22,10 +22,13 @@ from glmserve.services.prefill.servicer import PrefillServicer
 from glmserve.services.prefill.worker import PrefillWorker
 from glmserve.services.worker_metrics import WorkerMetrics
 from glmserve.services.worker_server import (
+    DEFAULT_STAGING_BLOCKS,
     DEFAULT_TRANSFER_TIMEOUT_S,
     add_common_args,
     build_backend,
     check_port,
+    engine_options,
+    host_settings,
     run_worker,
     setup_logging,
 )
@@ -40,6 +43,9 @@ class PrefillConfig:
     transfer: str = "auto"
     metrics_port: int | None = None
     kv_cache_bytes: int | None = None
+    kvstore: str | None = None  # host:port: use the kvstore's host tier
+    host_write_through: str = "on"
+    host_staging_blocks: int = DEFAULT_STAGING_BLOCKS
     transfer_timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S
 
     def __post_init__(self) -> None:
@@ -47,6 +53,10 @@ class PrefillConfig:
         check_port("metrics_port", self.metrics_port)
         if not self.worker_id:
             raise ValueError("worker_id: must not be empty")
+        if self.host_write_through not in ("on", "off"):
+            raise ValueError(f"host_write_through: must be 'on' or 'off', got {self.host_write_through!r}")
+        if self.host_staging_blocks < 0:
+            raise ValueError(f"host_staging_blocks: must be >= 0, got {self.host_staging_blocks}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
             raise ValueError(f"kv_cache_bytes: must be > 0, got {self.kv_cache_bytes}")
         if self.transfer_timeout_s <= 0:
@@ -61,7 +71,7 @@ class PrefillConfig:
         return cls(**vars(p.parse_args(argv)))
 
     def engine_config(self) -> dict[str, int]:
-        return {} if self.kv_cache_bytes is None else {"kv_cache_bytes": self.kv_cache_bytes}
+        return engine_options(self.kv_cache_bytes, self.kvstore, self.host_staging_blocks)
 
 
 async def serve(config: PrefillConfig) -> int:
@@ -72,6 +82,7 @@ async def serve(config: PrefillConfig) -> int:
         lambda: Engine.from_model_dir(config.model, **config.engine_config()),
         backend,
         metrics=lambda engine: WorkerMetrics("prefill", config.worker_id, lambda: engine.snapshot),
+        host=host_settings(config.kvstore, config.worker_id, config.host_write_through),
     )
     servicer = PrefillServicer(worker, config.worker_id)
     return await run_worker(

@@ -31,6 +31,8 @@ from typing import TYPE_CHECKING
 
 from glmserve.kv.transfer import KVTransferBackend, TransferError, TransferHandle, TransferStamp
 from glmserve.services.engine_thread import EngineThread
+from glmserve.services.host_link import HostLink, HostSettings, LoadAborted, Loaded
+from glmserve.services.host_metrics import HostTierMetrics
 from glmserve.services.prefill.history import DEFAULT_TTL_S, PrefillHistory
 from glmserve.services.prefill.job import (
     AbortOutcome,
@@ -67,7 +69,7 @@ class _Job:
     spec: PrefillJob
     key: str  # the engine's request id: one per generation
     held: asyncio.Future[_Held]
-    stage: str = "connect"  # connect | compute | transfer
+    stage: str = "connect"  # connect | load | compute | transfer
     abort_reason: str | None = None
     handle: TransferHandle | None = None
     drained: bool = True
@@ -81,10 +83,14 @@ class PrefillWorker:
         backend: KVTransferBackend,
         metrics: Callable[[EngineThread], WorkerMetrics] | None = None,
         history_ttl_s: float = DEFAULT_TTL_S,
+        host: HostSettings | None = None,
     ) -> None:
-        """``metrics``: builds the worker's metrics from its engine thread (for snapshot gauges)."""
+        """``metrics``: builds the worker's metrics from its engine thread (for snapshot gauges).
+        ``host``: use the kvstore's host tier (load-back before prefill, write-through, demotion)."""
         self._engine = EngineThread(engine_factory, self._on_step, self._on_step_error, "prefill-engine")
         self.metrics = metrics(self._engine) if metrics is not None else None
+        self.host_metrics = HostTierMetrics(self.metrics.registry) if self.metrics is not None else None
+        self._host = HostLink(host, backend, self._engine, self.host_metrics) if host is not None else None
         self._backend = backend
         self._history = PrefillHistory(history_ttl_s)
         self._jobs: dict[tuple[str, int], _Job] = {}
@@ -103,6 +109,8 @@ class PrefillWorker:
         await self._engine.loaded()
         self._buffer = await self._engine.submit(lambda e: e.cache.buffer)
         self._backend.register(self._buffer)
+        if self._host is not None:
+            await self._host.start(self._buffer)
 
     def health(self) -> WorkerHealth:
         s = self._engine.snapshot
@@ -157,11 +165,20 @@ class PrefillWorker:
             except (TransferError, ValueError, OSError) as e:
                 raise PrefillFailed(f"cannot connect to the decode worker's KV buffer: {e}", drained=True) from e
             self._raise_if_aborted(job)
+            loaded = await self._load(job)
             job.stage = "compute"
             params = dataclasses.replace(spec.params, max_tokens=1, stop=())  # stop strings: decode's job
             prompt = list(spec.prompt_ids)
-            await self._engine.submit(lambda e: e.add_request(job.key, prompt, params, hold_blocks=True))
+
+            def add(e: Engine) -> None:
+                add_it = lambda: e.add_request(job.key, prompt, params, hold_blocks=True)  # noqa: E731
+                return add_it() if loaded is None else loaded.apply(e, add_it)
+
+            await self._engine.submit(add)
             held = await job.held
+            if self.host_metrics is not None:
+                host_blocks = 0 if loaded is None else loaded.host_blocks
+                self.host_metrics.count_hits(held.num_cached, host_blocks * self._engine.snapshot.block_size)
             try:
                 self._raise_if_aborted(job)
                 job.stage = "transfer"
@@ -202,6 +219,23 @@ class PrefillWorker:
             m.transfer_failed("writer")
         raise PrefillFailed(f"KV transfer failed: {handle.error}", drained=handle.drained)
 
+    async def _load(self, job: _Job) -> Loaded | None:
+        """Load-back of the prompt's host-only blocks; None when there is none (or it failed: the
+        prompt is then computed). Raises `PrefillAborted` when the job was aborted meanwhile, with
+        everything the load held given back."""
+        if self._host is None or not self._host.ready:
+            return None
+        job.stage = "load"
+        try:
+            loaded = await self._host.load(job.key, job.spec.generation, job.spec.prompt_ids)
+        except LoadAborted as e:
+            log.info("%s: no host blocks: %s", job.key, e)
+            loaded = None
+        if loaded is not None and job.abort_reason is not None:
+            self._host.release(job.key)  # the load finished (drained) before the abort reached it
+        self._raise_if_aborted(job)
+        return loaded
+
     @staticmethod
     def _raise_if_aborted(job: _Job) -> None:
         if job.abort_reason is not None:
@@ -222,6 +256,8 @@ class PrefillWorker:
                 self.metrics.abort(job.stage, label)
             if job.handle is not None:
                 _request_cancel(self._backend, job.handle)
+            elif job.stage == "load" and self._host is not None:
+                self._cancel_load_in_background(job)
             elif job.stage == "compute":
                 self._engine.submit_nowait(lambda e: e.abort(job.key))  # frees the blocks when it runs
                 if not job.held.done():
@@ -229,6 +265,12 @@ class PrefillWorker:
         assert job.task is not None
         await asyncio.wait([job.task])
         return AbortOutcome(found=True, drained=job.drained)
+
+    def _cancel_load_in_background(self, job: _Job) -> None:
+        assert self._host is not None
+        task = asyncio.create_task(self._host.cancel(job.key, job.spec.generation))
+        self._background.add(task)  # type: ignore[arg-type]
+        task.add_done_callback(self._background.discard)  # type: ignore[arg-type]
 
     def _abort_in_background(self, request_id: str, generation: int) -> None:
         task = asyncio.create_task(self.abort(request_id, generation, "caller cancelled", "caller_cancelled"))
@@ -239,6 +281,8 @@ class PrefillWorker:
         """Abort every job (drained or failed), then stop the engine and the backend."""
         self._closing = True
         await asyncio.gather(*(self.abort(r, g, "shutdown", "shutdown") for r, g in list(self._jobs)))
+        if self._host is not None:
+            await self._host.close()
         await self._engine.stop()
         self._backend.close()
 
