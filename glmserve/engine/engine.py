@@ -50,6 +50,7 @@ class EngineConfig:
     max_drafts: int = 3
     prefix_caching: bool = True
     host_staging_blocks: int = 0  # extra cache rows for demoting evicted blocks to the host tier
+    check_integrity: bool = False  # check the block pool after every step (tests; O(num_blocks))
 
     def __post_init__(self) -> None:
         if self.mtp not in ("auto", "off") and not (isinstance(self.mtp, int) and self.mtp >= 0):
@@ -256,6 +257,8 @@ class Engine:
         if pure_decode:  # the policy learns from whole steps: every cost of speculating is in them
             self.policy.record_step(len(work), draft_counts.pop(), time.perf_counter() - t0, gained)
         self.stats.preemptions = self.scheduler.num_preemptions
+        if self.config.check_integrity:
+            self.pool.check_integrity()
         return outputs
 
     def _advance(self, w: ScheduledWork, logits: torch.Tensor | None, was_decode: bool) -> list[int]:

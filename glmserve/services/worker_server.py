@@ -51,6 +51,8 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
                    help="host:port of the kvstore: use its host KV tier (load-back, write-through, demotion)")
     p.add_argument("--host-write-through", choices=("on", "off"), default="on",
                    help="write a finished request's full KV blocks to the host tier")
+    p.add_argument("--check-integrity", action="store_true",
+                   help="check the KV block pool after every engine step (for tests; costs a pool scan)")
     p.add_argument("--host-staging-blocks", type=int, default=DEFAULT_STAGING_BLOCKS,
                    help="cache rows kept for demoting evicted blocks to the host tier (0: no demotion)")
 
@@ -62,9 +64,12 @@ def host_settings(kvstore: str | None, worker_id: str, write_through: str) -> Ho
     return HostSettings(kvstore, worker_id, write_through=write_through == "on")
 
 
-def engine_options(kv_cache_bytes: int | None, kvstore: str | None, staging_blocks: int) -> dict[str, int]:
+def engine_options(kv_cache_bytes: int | None, kvstore: str | None, staging_blocks: int,
+                   check_integrity: bool = False) -> dict[str, int | bool]:
     """Engine config fields from the common worker flags."""
-    options = {} if kv_cache_bytes is None else {"kv_cache_bytes": kv_cache_bytes}
+    options: dict[str, int | bool] = {} if kv_cache_bytes is None else {"kv_cache_bytes": kv_cache_bytes}
+    if check_integrity:
+        options["check_integrity"] = True
     if kvstore is not None:
         options["host_staging_blocks"] = staging_blocks
     return options

@@ -6,6 +6,7 @@ to it, all real processes on 127.0.0.1, for each transfer kind (TCP, and NIXL wh
   equal the cold run.
 - The next agent turn (prompt + answer + tool result) reuses the block holding generated tokens,
   which only the decode worker computed and wrote through.
+- A load-back cancelled mid-way frees what it held on both sides.
 - Pools end full (nothing leaked by write-through or load-back); the host tier has nothing pinned.
 """
 
@@ -49,7 +50,8 @@ def wait_used_zero(worker: WorkerProcess, timeout_s: float = 15.0) -> float:
 class Cluster:
     def __init__(self, kind: str, logs: Path) -> None:
         self.kind, self.logs = kind, logs
-        self.kvstore = HostKVStore(logs / "kvstore.log", kind, 64 << 20)
+        self.kvstore = HostKVStore(logs / "kvstore.log", kind, 64 << 20, "--check-integrity",
+                                   "--fault-load-delay-s", "20")
         self.decode = self._launch("decode")
         self.prefill = self._launch("prefill")
         self.decode.ready(), self.prefill.ready()
@@ -57,7 +59,7 @@ class Cluster:
 
     def _launch(self, role: str, suffix: str = "") -> WorkerProcess:
         return WorkerProcess.launch(role, self.kind, self.logs / f"{role}{suffix}.log",
-                                    "--kvstore", self.kvstore.address)
+                                    "--kvstore", self.kvstore.address, "--check-integrity")
 
     def restart_prefill(self) -> None:
         """A fresh prefill worker: its device tier is empty, the host tier is not."""
@@ -65,14 +67,15 @@ class Cluster:
         self.restarts += 1
         self.prefill = self._launch("prefill", f"-{self.restarts}").ready()
 
-    def run(self, rid: str, prompt: list[int]) -> Outcome:
+    def run(self, rid: str, prompt: list[int], cancel_after_s: float | None = None) -> Outcome:
         async def go() -> Outcome:
             async with grpc.aio.insecure_channel(self.decode.address) as channel:
                 request = generate_request(rid, prompt, GREEDY, self.prefill.address)
-                return await generate(decode_grpc.DecodeStub(channel), request)
+                return await generate(decode_grpc.DecodeStub(channel), request, cancel_after_s=cancel_after_s)
 
         out = asyncio.run(go())
-        assert out.finish_reason == "length" and not out.error, out
+        if cancel_after_s is None:
+            assert out.finish_reason == "length" and not out.error, out
         return out
 
     def stop(self) -> list[int]:
@@ -103,6 +106,18 @@ def test_host_hit_after_device_flush_and_next_turn_reuses_decoded_blocks(cluster
     decoded_blocks = (len(prompt) + MAX_TOKENS - 1) // BLOCK
     assert cluster.kvstore.wait_metric("glmserve_host_tier_blocks", lambda v: v >= decoded_blocks) == decoded_blocks
     cluster.restart_prefill()
+
+    # A load-back cancelled mid-way (the kvstore holds loads of "fault-delay-*" requests until
+    # cancelled) frees everything it held, on both sides; the next load is whole.
+    cancelled = cluster.run("fault-delay-cancel", prompt, cancel_after_s=2.0)
+    assert cancelled.cancelled and cancelled.tokens == []
+    assert wait_used_zero(cluster.prefill) == 0 and wait_used_zero(cluster.decode) == 0
+    assert cluster.kvstore.wait_metric("glmserve_host_tier_pinned_blocks", lambda v: v == 0) == 0
+    m = cluster.prefill.metrics()
+    assert sum(v for (name, labels), v in m.items()
+               if name == "glmserve_aborts_total" and ("stage", "load") in labels) == 1
+    assert m[("glmserve_host_tier_loadbacks_total", ())] == 0
+
     from_host = cluster.run("host", prompt)
     assert (from_host.tokens, from_host.num_cached_tokens) == (cold.tokens, reusable)
     m = cluster.prefill.metrics()

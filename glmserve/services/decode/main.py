@@ -50,6 +50,7 @@ class DecodeConfig:
     kvstore: str | None = None  # host:port: use the kvstore's host tier
     host_write_through: str = "on"
     host_staging_blocks: int = DEFAULT_STAGING_BLOCKS
+    check_integrity: bool = False
     prefill_timeout_s: float = 60.0
     checksum: bool = False
 
@@ -76,8 +77,8 @@ class DecodeConfig:
         p.add_argument("--checksum", action="store_true", help="verify a checksum of every transfer")
         return cls(**vars(p.parse_args(argv)))
 
-    def engine_config(self) -> dict[str, int]:
-        return engine_options(self.kv_cache_bytes, self.kvstore, self.host_staging_blocks)
+    def engine_config(self) -> dict[str, int | bool]:
+        return engine_options(self.kv_cache_bytes, self.kvstore, self.host_staging_blocks, self.check_integrity)
 
 
 async def serve(config: DecodeConfig) -> int:

@@ -23,7 +23,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -33,6 +33,9 @@ from glmserve.kv.host_pool import HostBlockPool, WriteLease, write_stamp
 from glmserve.kv.transfer import KVTransferBackend, TransferDrainError, TransferHandle, TransferStamp
 
 log = logging.getLogger(__name__)
+
+
+FAULT_DELAY_PREFIX = "fault-delay-"  # loads of such request ids wait ``fault_load_delay_s`` (tests)
 
 
 class HostTierUnavailable(GlmServeError):
@@ -49,6 +52,12 @@ class HostTierStats:
     expired_leases: int
 
 
+@dataclass(eq=False)
+class _Load:
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    handle: TransferHandle | None = None
+
+
 @dataclass(frozen=True)
 class LoadResult:
     blocks_loaded: int
@@ -59,7 +68,11 @@ class LoadResult:
 class HostTier:
     def __init__(self, capacity_bytes: int, backend: KVTransferBackend, index: BlockIndex | None = None,
                  *, holder_id: str = "host", lease_timeout_s: float = 120.0,
-                 completion_timeout_s: float = 5.0, clock: Callable[[], float] = time.monotonic) -> None:
+                 completion_timeout_s: float = 5.0, clock: Callable[[], float] = time.monotonic,
+                 check_integrity: bool = False, fault_load_delay_s: float = 0.0) -> None:
+        """``check_integrity``: check the pool after every operation (tests). ``fault_load_delay_s``:
+        loads whose request id starts with ``FAULT_DELAY_PREFIX`` wait this long, or until cancelled,
+        before they write (fault injection for tests; 0 in production)."""
         if capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes: must be > 0, got {capacity_bytes}")
         if not holder_id:
@@ -68,6 +81,7 @@ class HostTier:
         self.backend, self._index = backend, index
         self._lease_timeout_s, self._completion_timeout_s = lease_timeout_s, completion_timeout_s
         self._clock = clock
+        self._check, self._fault_load_delay_s = check_integrity, fault_load_delay_s
         self._lock = threading.Lock()  # the pool, the targets, the loads
         self._completion_lock = threading.Lock()
         self._completed: set[str] = set()
@@ -77,7 +91,7 @@ class HostTier:
         self._expired = 0
         self._targets: dict[str, bytes] = {}
         self._peers: dict[bytes, str] = {}
-        self._loads: dict[tuple[str, int], TransferHandle] = {}
+        self._loads: dict[tuple[str, int], _Load] = {}
 
     # -- setup --------------------------------------------------------------------------------------
 
@@ -120,6 +134,7 @@ class HostTier:
         with self._lock:
             self._expire_locked()
             lease = self._ready_pool().begin_write(hashes, self._clock())
+            self._checked()
         self._publish("removed", lease.evicted)
         return lease
 
@@ -135,6 +150,7 @@ class HostTier:
             else:
                 pool.abort_write(lease_id)
                 hashes = []
+            self._checked()
         self._publish("stored", hashes)
         return len(hashes)
 
@@ -167,24 +183,30 @@ class HostTier:
             if key in self._loads:
                 raise ValueError(f"request_id: a load for {request_id!r}@{generation} is running")
             lease = self._ready_pool().begin_read(hashes, self._clock())
+            load = self._loads[key] = _Load()
+            self._checked()
         try:
             if not lease.block_ids:
                 return LoadResult(0, True)
+            if self._fault_load_delay_s and request_id.startswith(FAULT_DELAY_PREFIX):
+                load.cancelled.wait(self._fault_load_delay_s)  # test-only: a slow load to cancel
             peer = self._connect(target)
             dest = list(dest_block_ids[: len(lease.block_ids)])
-            handle = self.backend.write(peer, TransferStamp(request_id, generation), lease.block_ids, dest)
-            with self._lock:
-                self._loads[key] = handle
+            with self._lock:  # a cancel either sees the handle or is seen here: never neither
+                if load.cancelled.is_set():
+                    return LoadResult(0, True, "cancelled")
+                load.handle = handle = self.backend.write(peer, TransferStamp(request_id, generation),
+                                                          lease.block_ids, dest)
             handle.wait()
-            with self._lock:
-                self._loads.pop(key, None)
             if handle.state == "done":
                 return LoadResult(len(dest), True)
             return LoadResult(0, handle.drained, handle.error or "failed")
         finally:
             with self._lock:
+                self._loads.pop(key, None)
                 if self._pool is not None and self._pool.is_live(lease.lease_id):
                     self._pool.end_read(lease.lease_id)
+                self._checked()
 
     def _connect(self, target: bytes) -> str:
         peer = self._peers.get(target)
@@ -195,9 +217,13 @@ class HostTier:
     def cancel_load(self, request_id: str, generation: int) -> tuple[bool, bool]:
         """(found, drained) for a running load; an unknown load is (False, True)."""
         with self._lock:
-            handle = self._loads.get((request_id, generation))
-        if handle is None:
-            return False, True
+            load = self._loads.get((request_id, generation))
+            if load is None:
+                return False, True
+            load.cancelled.set()
+            handle = load.handle
+        if handle is None:  # the load sees the flag before it writes anything
+            return True, True
         try:
             self.backend.cancel(handle)
         except TransferDrainError as e:
@@ -215,6 +241,12 @@ class HostTier:
         if self._pool is not None:
             done = self._pool.expire(self._clock())
             self._expired += len(done.reads) + len(done.writes)
+            self._checked()
+
+    def _checked(self) -> None:
+        """Under the lock: the integrity check, when asked for (an IntegrityError fails the RPC)."""
+        if self._check and self._pool is not None:
+            self._pool.check_integrity()
 
     def stats(self) -> HostTierStats | None:
         with self._lock:

@@ -45,6 +45,8 @@ class KVStoreConfig:
     transfer: str = "auto"  # host-tier transfer backend: auto (NIXL when it imports), nixl, tcp
     host_lease_timeout_s: float = 120.0  # > the workers' transfer timeout + drain
     host_holder_id: str = "host"  # index holder id of host-tier blocks
+    check_integrity: bool = False  # check the host pool after every operation (tests)
+    fault_load_delay_s: float = 0.0  # test-only fault injection (see HostTier)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -80,6 +82,9 @@ class KVStoreConfig:
                        help="host-tier KV transfer: NIXL when it imports (auto), or TCP")
         p.add_argument("--host-lease-timeout-s", type=float, default=cls.host_lease_timeout_s)
         p.add_argument("--host-holder-id", default=cls.host_holder_id)
+        p.add_argument("--check-integrity", action="store_true",
+                       help="check the host pool after every operation (for tests)")
+        p.add_argument("--fault-load-delay-s", type=float, default=0.0, help=argparse.SUPPRESS)
         return cls(**vars(p.parse_args(argv)))
 
     def build_index(self) -> BlockIndex:
@@ -94,7 +99,8 @@ class KVStoreConfig:
             return None
         backend = build_backend(self.transfer, self.host, self.host_lease_timeout_s / 2)
         return HostTier(self.host_tier_bytes, backend, index, holder_id=self.host_holder_id,
-                        lease_timeout_s=self.host_lease_timeout_s)
+                        lease_timeout_s=self.host_lease_timeout_s, check_integrity=self.check_integrity,
+                        fault_load_delay_s=self.fault_load_delay_s)
 
 
 def serve(config: KVStoreConfig, stop: threading.Event) -> None:

@@ -46,6 +46,7 @@ class PrefillConfig:
     kvstore: str | None = None  # host:port: use the kvstore's host tier
     host_write_through: str = "on"
     host_staging_blocks: int = DEFAULT_STAGING_BLOCKS
+    check_integrity: bool = False
     transfer_timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S
 
     def __post_init__(self) -> None:
@@ -70,8 +71,8 @@ class PrefillConfig:
         p.add_argument("--transfer-timeout-s", type=float, default=DEFAULT_TRANSFER_TIMEOUT_S)
         return cls(**vars(p.parse_args(argv)))
 
-    def engine_config(self) -> dict[str, int]:
-        return engine_options(self.kv_cache_bytes, self.kvstore, self.host_staging_blocks)
+    def engine_config(self) -> dict[str, int | bool]:
+        return engine_options(self.kv_cache_bytes, self.kvstore, self.host_staging_blocks, self.check_integrity)
 
 
 async def serve(config: PrefillConfig) -> int:
