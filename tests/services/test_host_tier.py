@@ -137,3 +137,49 @@ def test_host_hit_after_device_flush_and_next_turn_reuses_decoded_blocks(cluster
     for worker in (cluster.prefill, cluster.decode):
         assert wait_used_zero(worker) == 0, worker.role
     assert cluster.kvstore.wait_metric("glmserve_host_tier_pinned_blocks", lambda v: v == 0) == 0
+
+
+def test_memory_pressure_demotes_and_never_drops_blocks_in_use(tmp_path: Path) -> None:
+    """A prefill worker with room for about three prompts, write-through off, and a host tier that
+    is itself too small: evicted device blocks are demoted (copied to the host before reuse), host
+    eviction skips pinned blocks, integrity checks run after every step and host operation, and
+    every output still equals the first round's (TCP; the transfer kinds are covered above)."""
+    kvstore = HostKVStore(tmp_path / "kvstore.log", "tcp", 30 * 372_736, "--check-integrity")
+    flags = ("--kvstore", kvstore.address, "--check-integrity", "--host-write-through", "off")
+    prefill = WorkerProcess.launch("prefill", "tcp", tmp_path / "prefill.log", *flags, kv_cache_bytes=24 * 372_736)
+    decode = WorkerProcess.launch("decode", "tcp", tmp_path / "decode.log", *flags)
+    try:
+        prefill.ready(), decode.ready()
+        rng = random.Random(11)
+        prompts = [[rng.randrange(10, 8000) for _ in range(rng.randrange(380, 460))] for _ in range(6)]
+
+        async def round_(tag: str, limit: int) -> list[Outcome]:
+            gate = asyncio.Semaphore(limit)
+            async with grpc.aio.insecure_channel(decode.address) as channel:
+                stub = decode_grpc.DecodeStub(channel)
+
+                async def one(i: int, prompt: list[int]) -> Outcome:
+                    async with gate:
+                        return await generate(stub, generate_request(f"{tag}-{i}", prompt, GREEDY, prefill.address))
+
+                return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+
+        first = asyncio.run(round_("first", 1))
+        second = asyncio.run(round_("second", 3))
+        for a, b in zip(first, second, strict=True):
+            assert a.finish_reason == b.finish_reason == "length" and not a.error and not b.error
+            assert a.tokens == b.tokens
+        m = prefill.metrics()
+        assert m[("glmserve_host_tier_demotions_total", ())] > 0
+        assert m[("glmserve_host_tier_writes_total", (("kind", "write_through"),))] == 0
+        assert hit_tokens(m, "host") > 0 and m[("glmserve_host_tier_loadbacks_total", ())] > 0
+        assert sum(o.num_cached_tokens for o in second) == hit_tokens(m, "host") + hit_tokens(m, "device")
+        assert kvstore.metrics()["glmserve_host_tier_evictions_total"] > 0
+        for worker in (prefill, decode):
+            assert wait_used_zero(worker) == 0, worker.role
+        assert kvstore.wait_metric("glmserve_host_tier_pinned_blocks", lambda v: v == 0) == 0
+    finally:
+        codes = [decode.stop(), prefill.stop(), kvstore.stop()]
+    assert codes == [0, 0, 0]
+    for log in ("kvstore.log", "prefill.log", "decode.log"):
+        assert "Traceback" not in (tmp_path / log).read_text(), log
