@@ -34,7 +34,7 @@ from glmserve.kv.host_pool import write_stamp
 from glmserve.kv.transfer import KVTransferBackend, StampError, TransferError, TransferStamp, verify_stamp
 from glmserve.services.engine_thread import EngineThread
 from glmserve.services.host_metrics import HostTierMetrics
-from glmserve.services.kvstore.client import AsyncKVStoreClient, KVStoreError
+from glmserve.services.kvstore.client import AsyncKVStoreClient, HostAttachment, KVStoreError
 
 if TYPE_CHECKING:
     import torch
@@ -101,8 +101,7 @@ class HostLink:
         self._client = AsyncKVStoreClient(self.address, timeout_s=self._rpc_timeout_s)
         self._block_bytes = buffer[0].numel() * buffer.element_size()
         try:
-            attachment = await self._client.host_attach(self.worker_id, self._backend.kind, self._block_bytes,
-                                                        self._backend.target_info())
+            attachment = await self._attach()
             self._peer = await asyncio.to_thread(self._backend.connect, attachment.target_info)
         except (KVStoreError, TransferError, ValueError, OSError) as e:
             log.warning("host tier at %s not used: %s", self.address, e)
@@ -117,6 +116,19 @@ class HostLink:
         log.info("host tier at %s: %d blocks of %d B, write-through %s", self.address, attachment.num_blocks,
                  self._block_bytes, "on" if self._write_through else "off")
         return True
+
+    async def _attach(self, wait_s: float = 60.0) -> HostAttachment:
+        """HostAttach, retried while the kvstore is not up yet (services start side by side)."""
+        assert self._client is not None
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                return await self._client.host_attach(self.worker_id, self._backend.kind, self._block_bytes,
+                                                      self._backend.target_info())
+            except KVStoreError as e:
+                if not e.unavailable or time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.2)
 
     async def close(self) -> None:
         if self._tasks:
