@@ -141,6 +141,9 @@ class HostTier:
     def end_write(self, lease_id: int, committed: bool) -> int:
         """Commit (once the write's completion stamp is here) or give back a lease; stored count.
         KeyError: the lease is unknown (expired); TimeoutError: committed but no completion came."""
+        with self._lock:
+            if not self._ready_pool().is_live(lease_id):
+                raise KeyError(f"write lease {lease_id}")
         if committed:
             self._await_completion(write_stamp(lease_id).request_id)
         with self._lock:
