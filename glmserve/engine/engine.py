@@ -159,13 +159,15 @@ class Engine:
 
     # --- host tier ------------------------------------------------------------------------------
 
-    def attach_host(self, write_through: bool, notify: Callable[[HostWrite], None]) -> HostOffload:
-        """Turn on the host tier's engine side (see `HostOffload`); ``notify`` gets each write, on
-        this engine's thread. Needs prefix caching (host blocks are found by hash)."""
+    def attach_host(self, write_through: bool, notify: Callable[[HostWrite], None],
+                    on_drop: Callable[[], None] | None = None) -> HostOffload:
+        """Turn on the host tier's engine side (see `HostOffload`); ``notify`` gets each write and
+        ``on_drop`` each eviction not demoted, on this engine's thread. Needs prefix caching (host
+        blocks are found by hash)."""
         if self.kv.root_hash is None:
             raise ValueError("prefix_caching: the host tier needs prefix caching on")
         self.host = HostOffload(self.pool, self.cache.buffer, self.config.host_staging_blocks,
-                                write_through=write_through, notify=notify)
+                                write_through=write_through, notify=notify, on_drop=on_drop)
         self.kv.on_free = self.host.on_free
         return self.host
 

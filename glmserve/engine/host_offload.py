@@ -48,14 +48,16 @@ class _Load:
 
 class HostOffload:
     def __init__(self, pool: BlockPool, buffer: torch.Tensor, num_staging: int, *,
-                 write_through: bool, notify: Callable[[HostWrite], None]) -> None:
-        """``buffer`` rows ``pool.num_blocks .. +num_staging`` are the staging rows (0: no demotion)."""
+                 write_through: bool, notify: Callable[[HostWrite], None],
+                 on_drop: Callable[[], None] | None = None) -> None:
+        """``buffer`` rows ``pool.num_blocks .. +num_staging`` are the staging rows (0: no demotion).
+        ``on_drop``: called for each eviction that could not be demoted (no staging row free)."""
         if buffer.shape[0] < pool.num_blocks + num_staging:
             raise ValueError(f"num_staging: buffer has {buffer.shape[0]} rows, pool needs "
                              f"{pool.num_blocks} + {num_staging}")
         self.pool, self.buffer = pool, buffer
         self.write_through = write_through
-        self._notify = notify
+        self._notify, self._on_drop = notify, on_drop
         self._staging: deque[int] = deque(range(pool.num_blocks, pool.num_blocks + num_staging))
         self.num_staging = num_staging
         self._known: OrderedDict[bytes, None] = OrderedDict()
@@ -78,6 +80,8 @@ class HostOffload:
             return
         if not self._staging:
             self.demotions_dropped += 1
+            if self._on_drop is not None:
+                self._on_drop()
             return
         row = self._staging.popleft()
         self.buffer[row].copy_(self.buffer[block_id])

@@ -108,7 +108,8 @@ class HostLink:
             return False
 
         def attach(e: Engine) -> tuple[bytes | None, int]:
-            e.attach_host(self._write_through, self._notify)
+            dropped = self.metrics.demotions_dropped.inc if self.metrics is not None else None
+            e.attach_host(self._write_through, self._notify, dropped)  # Counter.inc is thread-safe
             return e.kv.root_hash, e.config.block_size
 
         self._root, self._block_size = await self._engine.submit(attach)

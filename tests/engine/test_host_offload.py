@@ -18,12 +18,13 @@ def h(i: int) -> bytes:
     return f"hash-{i}".encode()
 
 
-def setup(num_blocks: int = 6, staging: int = 2, write_through: bool = True):
+def setup(num_blocks: int = 6, staging: int = 2, write_through: bool = True, drops: list | None = None):
     hooks = []
     pool = BlockPool(num_blocks, on_evict=lambda b, bh: hooks[0](b, bh))  # as Engine wires it
     buffer = torch.arange((num_blocks + staging) * 4, dtype=torch.float32).view(num_blocks + staging, 4)
     writes: list[HostWrite] = []
-    host = HostOffload(pool, buffer, staging, write_through=write_through, notify=writes.append)
+    on_drop = (lambda: drops.append(1)) if drops is not None else None
+    host = HostOffload(pool, buffer, staging, write_through=write_through, notify=writes.append, on_drop=on_drop)
     hooks.append(host.on_evict)
     return pool, buffer, host, writes
 
@@ -58,7 +59,8 @@ def test_write_through_off_writes_nothing() -> None:
 
 
 def test_demotion_copies_exact_bytes_before_reuse_and_drops_without_staging() -> None:
-    pool, buffer, host, writes = setup(num_blocks=4, staging=1)
+    drops: list[int] = []
+    pool, buffer, host, writes = setup(num_blocks=4, staging=1, drops=drops)
     ids = cached(pool, 4)
     original = buffer[ids].clone()
     pool.release(ids[::-1])  # LRU: 3 2 1 0 (tail first)
@@ -66,7 +68,7 @@ def test_demotion_copies_exact_bytes_before_reuse_and_drops_without_staging() ->
     (write,) = writes  # one staging row: the first eviction is demoted, the second dropped
     assert (write.rows, write.hashes, write.kind) == ([4], [h(3)], "demotion")
     assert torch.equal(buffer[4], original[3])
-    assert host.demotions_dropped == 1
+    assert host.demotions_dropped == 1 and drops == [1]
     host.write_done(write, stored=[h(3)])
     pool.release([3, 2])
     pool.allocate(4)  # evicts 1 and 0; the staging row is free again
