@@ -5,7 +5,9 @@ One job per (request id, generation), each its own asyncio task (a caller that g
 the job, it never cuts it short):
 
 1. connect to the decode worker's transfer target (cached by the backend);
-2. compute: ``engine.add_request(..., max_tokens=1, hold_blocks=True)``; the engine thread's
+2. load (with a host tier, `HostLink`): prompt blocks found only on the kvstore's host tier are
+   loaded into this worker's blocks, so the engine finds them as prefix-cache hits;
+   compute: ``engine.add_request(..., max_tokens=1, hold_blocks=True)``; the engine thread's
    step hook sees the request finish and posts its held blocks, first token and MTP seed;
 3. transfer: one ``backend.write`` of the prompt's blocks into ``dest_block_ids`` with the stamp
    (request id, generation, checksum when asked), awaited until final;
@@ -13,6 +15,7 @@ the job, it never cuts it short):
    in `PrefillHistory`, and answer with the first token, the MTP seed and the stamp.
 
 Abort (``abort(request_id, generation)``, or the caller cancelling): the job is marked at once;
+in load the host load is cancelled (its blocks are freed once the kvstore says it is drained);
 in compute the engine drops the request (its blocks are free when the command runs); in transfer
 the write is cancelled. ``abort`` returns only when the job has ended, with ``drained``: no more
 bytes can land in the destination (False only when the writer could not confirm it, e.g. the
@@ -95,7 +98,7 @@ class PrefillWorker:
         self._history = PrefillHistory(history_ttl_s)
         self._jobs: dict[tuple[str, int], _Job] = {}
         self._by_key: dict[str, _Job] = {}
-        self._background: set[asyncio.Task[AbortOutcome]] = set()
+        self._background: set[asyncio.Task[object]] = set()
         self._buffer: torch.Tensor | None = None
         self._closing = False
 
@@ -170,7 +173,7 @@ class PrefillWorker:
             params = dataclasses.replace(spec.params, max_tokens=1, stop=())  # stop strings: decode's job
             prompt = list(spec.prompt_ids)
 
-            def add(e: Engine) -> None:
+            def add(e: Engine) -> object:
                 add_it = lambda: e.add_request(job.key, prompt, params, hold_blocks=True)  # noqa: E731
                 return add_it() if loaded is None else loaded.apply(e, add_it)
 
@@ -269,8 +272,8 @@ class PrefillWorker:
     def _cancel_load_in_background(self, job: _Job) -> None:
         assert self._host is not None
         task = asyncio.create_task(self._host.cancel(job.key, job.spec.generation))
-        self._background.add(task)  # type: ignore[arg-type]
-        task.add_done_callback(self._background.discard)  # type: ignore[arg-type]
+        self._background.add(task)  # a reference, so the task is not collected mid-way
+        task.add_done_callback(self._background.discard)
 
     def _abort_in_background(self, request_id: str, generation: int) -> None:
         task = asyncio.create_task(self.abort(request_id, generation, "caller cancelled", "caller_cancelled"))
