@@ -39,6 +39,7 @@ class ServeConfig:
     port: int = 8000  # the router's; 0: any free port
     transfer: str = "auto"  # auto | nixl | tcp
     redis_url: str | None = None  # the kvstore's index in Redis instead of in memory
+    host_tier_bytes: int = 256 << 20  # the kvstore's host KV tier; 0: none (workers then run without it)
     api_keys: tuple[str, ...] = ()
     ready_timeout_s: float = 300.0
     grace_s: float = 10.0  # how long a child may take to stop after SIGTERM
@@ -52,6 +53,8 @@ class ServeConfig:
             raise ValueError(f"port: must be in [0, 65535], got {self.port}")
         if self.transfer not in ("auto", "nixl", "tcp"):
             raise ValueError(f"transfer: must be auto, nixl or tcp, got {self.transfer!r}")
+        if self.host_tier_bytes < 0:
+            raise ValueError(f"host_tier_bytes: must be >= 0, got {self.host_tier_bytes}")
         if self.ready_timeout_s <= 0:
             raise ValueError(f"ready_timeout_s: must be > 0, got {self.ready_timeout_s}")
 
@@ -59,7 +62,7 @@ class ServeConfig:
     def from_args(cls, args: argparse.Namespace) -> ServeConfig:
         return cls(args.model.resolve(), args.prefill_workers, args.decode_workers, port=args.port,
                    transfer=args.transfer, redis_url=args.redis_url, api_keys=tuple(args.api_key),
-                   ready_timeout_s=args.ready_timeout)
+                   ready_timeout_s=args.ready_timeout, host_tier_bytes=args.host_tier_bytes)
 
 
 class LaunchError(Exception):
@@ -234,8 +237,10 @@ def _bring_up(launcher: Launcher) -> str:
     deadline = time.monotonic() + cfg.ready_timeout_s
     kv_port = free_port(cfg.host)
     redis = ["--redis-url", cfg.redis_url] if cfg.redis_url else []
+    host_tier = ["--host-tier-bytes", str(cfg.host_tier_bytes), "--transfer", cfg.transfer]
     kvstore = launcher.start("kvstore", "glmserve.services.kvstore.main",
-                             "--host", cfg.host, "--port", str(kv_port), *redis)
+                             "--host", cfg.host, "--port", str(kv_port), *redis,
+                             *(host_tier if cfg.host_tier_bytes else []))
     kvstore.address = f"{cfg.host}:{kv_port}"
     workers: dict[str, list[Child]] = {"prefill": [], "decode": []}
     for kind, count in (("prefill", cfg.prefill_workers), ("decode", cfg.decode_workers)):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import torch
 
 from glmserve.core.block_hash import CacheKeyRoot
 from glmserve.engine.engine_stats import EngineStats
+from glmserve.engine.host_offload import HostOffload, HostWrite
 from glmserve.engine.kv_cache_manager import KVCacheManager
 from glmserve.engine.model_runner import ModelRunner
 from glmserve.engine.rejection_sampler import verify
@@ -50,12 +52,16 @@ class EngineConfig:
     mtp: str | int = "auto"  # "auto" (adaptive k), "off", or a fixed number of drafts
     max_drafts: int = 3
     prefix_caching: bool = True
+    host_staging_blocks: int = 0  # extra cache rows for demoting evicted blocks to the host tier
+    check_integrity: bool = False  # check the block pool after every step (tests; O(num_blocks))
 
     def __post_init__(self) -> None:
         if self.mtp not in ("auto", "off") and not (isinstance(self.mtp, int) and self.mtp >= 0):
             raise ValueError(f"mtp: {self.mtp!r} is not 'auto', 'off' or a number of drafts >= 0")
         if self.kv_cache_bytes <= 0:
             raise ValueError("kv_cache_bytes: must be > 0")
+        if self.host_staging_blocks < 0:
+            raise ValueError(f"host_staging_blocks: must be >= 0, got {self.host_staging_blocks}")
 
 
 @dataclass
@@ -91,8 +97,10 @@ class Engine:
         if num_blocks < 2:
             raise ValueError(f"kv_cache_bytes: {config.kv_cache_bytes} B holds fewer than 2 blocks")
         log.info("%s; %d blocks (%d tokens)", layout.describe(), num_blocks, num_blocks * config.block_size)
-        self.cache = PagedKVCache(layout, num_blocks)
-        self.pool = BlockPool(num_blocks)
+        # Rows past the pool's blocks are staging rows for demotion (HostOffload); the model never sees them.
+        self.cache = PagedKVCache(layout, num_blocks + config.host_staging_blocks)
+        self.pool = BlockPool(num_blocks, on_evict=self._evicted)
+        self.host: HostOffload | None = None
         root = None
         if config.prefix_caching:
             # Without a tokenizer digest the engine only ever sees token ids: a fixed tag says so.
@@ -162,6 +170,24 @@ class Engine:
         req.status, req.finish_reason = RequestStatus.FINISHED, "abort"
         self.stats.aborts += 1
         return True
+
+    # --- host tier ------------------------------------------------------------------------------
+
+    def attach_host(self, write_through: bool, notify: Callable[[HostWrite], None],
+                    on_drop: Callable[[], None] | None = None) -> HostOffload:
+        """Turn on the host tier's engine side (see `HostOffload`); ``notify`` gets each write and
+        ``on_drop`` each eviction not demoted, on this engine's thread. Needs prefix caching (host
+        blocks are found by hash)."""
+        if self.kv.root_hash is None:
+            raise ValueError("prefix_caching: the host tier needs prefix caching on")
+        self.host = HostOffload(self.pool, self.cache.buffer, self.config.host_staging_blocks,
+                                write_through=write_through, notify=notify, on_drop=on_drop)
+        self.kv.on_free = self.host.on_free
+        return self.host
+
+    def _evicted(self, block_id: int, block_hash: bytes) -> None:
+        if self.host is not None:
+            self.host.on_evict(block_id, block_hash)
 
     # --- disaggregation: blocks that outlive a request, or arrive from another worker ------------
 
@@ -247,6 +273,8 @@ class Engine:
         if pure_decode:  # the policy learns from whole steps: every cost of speculating is in them
             self.policy.record_step(len(work), draft_counts.pop(), time.perf_counter() - t0, gained)
         self.stats.preemptions = self.scheduler.num_preemptions
+        if self.config.check_integrity:
+            self.pool.check_integrity()
         return outputs
 
     def _advance(self, w: ScheduledWork, logits: torch.Tensor | None, was_decode: bool) -> list[int]:

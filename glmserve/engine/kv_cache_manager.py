@@ -6,6 +6,8 @@ whose every token has been computed are committed (hashed) so that later request
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 from glmserve.core.block_hash import block_hashes, reusable_blocks
 from glmserve.engine.request import Request
 from glmserve.kv.block_pool import BlockPool, OutOfBlocks
@@ -17,6 +19,9 @@ class KVCacheManager:
         self.pool = pool
         self.block_size = block_size
         self.root_hash = root_hash
+        # Called with (block ids, committed hashes) just before a request releases its blocks
+        # (the host tier's write-through); None: nobody listens.
+        self.on_free: Callable[[Sequence[int], Sequence[bytes]], None] | None = None
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -73,6 +78,8 @@ class KVCacheManager:
     def free(self, req: Request) -> None:
         """Release everything the request holds; tail first so its prefix is evicted last."""
         if req.block_ids:
+            if self.on_free is not None:
+                self.on_free(req.block_ids, req.block_hashes)
             self.pool.release(req.block_ids[::-1])
         req.block_ids = []
         req.block_hashes = []

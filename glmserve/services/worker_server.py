@@ -23,6 +23,7 @@ import grpc
 from prometheus_client import CollectorRegistry, start_http_server
 
 from glmserve.kv.transfer import KVTransferBackend, make_backend, nixl_unavailable_reason
+from glmserve.services.host_link import HostSettings
 from glmserve.services.kv_events import KVEventPublisher, PublisherCollector
 from glmserve.services.kvstore.client import KVStoreClient
 
@@ -33,6 +34,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_TRANSFER_TIMEOUT_S = 50.0  # a write is final within this + the drain timeout (5 s)
 GRACE_S = 2.0  # how long in-flight RPCs may finish on shutdown
+DEFAULT_STAGING_BLOCKS = 8
 
 
 class Worker(Protocol):
@@ -51,9 +53,34 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-port", type=int, default=None, help="Prometheus endpoint (off if absent)")
     p.add_argument("--kv-cache-bytes", type=int, default=None, help="KV cache size (engine default if absent)")
     p.add_argument("--kvstore", default=None,
-                   help="host:port of the kvstore: publish this worker's cached blocks to its index")
+                   help="host:port of the kvstore: publish this worker's cached blocks to its index and "
+                   "use its host KV tier (load-back, write-through, demotion)")
     p.add_argument("--revision", default=None,
                    help="model revision for the prefix-cache key (default: a digest of the checkpoint)")
+    p.add_argument("--host-write-through", choices=("on", "off"), default="on",
+                   help="write a finished request's full KV blocks to the host tier")
+    p.add_argument("--check-integrity", action="store_true",
+                   help="check the KV block pool after every engine step (for tests; costs a pool scan)")
+    p.add_argument("--host-staging-blocks", type=int, default=DEFAULT_STAGING_BLOCKS,
+                   help="cache rows kept for demoting evicted blocks to the host tier (0: no demotion)")
+
+
+def host_settings(kvstore: str | None, worker_id: str, write_through: str) -> HostSettings | None:
+    """The host-tier settings of a worker started with ``--kvstore`` (None without)."""
+    if kvstore is None:
+        return None
+    return HostSettings(kvstore, worker_id, write_through=write_through == "on")
+
+
+def engine_options(kv_cache_bytes: int | None, kvstore: str | None, staging_blocks: int,
+                   check_integrity: bool = False) -> dict[str, int | bool]:
+    """Engine config fields from the common worker flags."""
+    options: dict[str, int | bool] = {} if kv_cache_bytes is None else {"kv_cache_bytes": kv_cache_bytes}
+    if check_integrity:
+        options["check_integrity"] = True
+    if kvstore is not None:
+        options["host_staging_blocks"] = staging_blocks
+    return options
 
 
 def check_port(field: str, value: int | None) -> None:

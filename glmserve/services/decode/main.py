@@ -26,13 +26,16 @@ from glmserve.services.decode.servicer import DecodeServicer
 from glmserve.services.decode.worker import DecodeSettings, DecodeWorker
 from glmserve.services.worker_metrics import WorkerMetrics
 from glmserve.services.worker_server import (
+    DEFAULT_STAGING_BLOCKS,
     DEFAULT_TRANSFER_TIMEOUT_S,
     add_common_args,
     build_backend,
     build_engine,
     check_kvstore,
     check_port,
+    engine_options,
     expose_block_events,
+    host_settings,
     run_worker,
     setup_logging,
     start_block_events,
@@ -48,8 +51,11 @@ class DecodeConfig:
     transfer: str = "auto"
     metrics_port: int | None = None
     kv_cache_bytes: int | None = None
-    kvstore: str | None = None  # host:port: publish block events to its index
+    kvstore: str | None = None  # host:port: publish block events to its index, use its host tier
     revision: str | None = None  # explicit model revision for the prefix-cache key
+    host_write_through: str = "on"
+    host_staging_blocks: int = DEFAULT_STAGING_BLOCKS
+    check_integrity: bool = False
     prefill_timeout_s: float = 60.0
     checksum: bool = False
 
@@ -59,6 +65,10 @@ class DecodeConfig:
         check_kvstore(self.kvstore)
         if not self.worker_id:
             raise ValueError("worker_id: must not be empty")
+        if self.host_write_through not in ("on", "off"):
+            raise ValueError(f"host_write_through: must be 'on' or 'off', got {self.host_write_through!r}")
+        if self.host_staging_blocks < 0:
+            raise ValueError(f"host_staging_blocks: must be >= 0, got {self.host_staging_blocks}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
             raise ValueError(f"kv_cache_bytes: must be > 0, got {self.kv_cache_bytes}")
         if self.prefill_timeout_s <= 0:
@@ -73,8 +83,8 @@ class DecodeConfig:
         p.add_argument("--checksum", action="store_true", help="verify a checksum of every transfer")
         return cls(**vars(p.parse_args(argv)))
 
-    def engine_config(self) -> dict[str, int]:
-        return {} if self.kv_cache_bytes is None else {"kv_cache_bytes": self.kv_cache_bytes}
+    def engine_config(self) -> dict[str, int | bool]:
+        return engine_options(self.kv_cache_bytes, self.kvstore, self.host_staging_blocks, self.check_integrity)
 
 
 async def serve(config: DecodeConfig) -> int:
@@ -87,6 +97,7 @@ async def serve(config: DecodeConfig) -> int:
         GrpcPrefillClient(),
         DecodeSettings(prefill_timeout_s=config.prefill_timeout_s, checksum=config.checksum),
         metrics=lambda engine: WorkerMetrics("decode", config.worker_id, lambda: engine.snapshot),
+        host=host_settings(config.kvstore, config.worker_id, config.host_write_through),
     )
     servicer = DecodeServicer(worker, config.worker_id)
     expose_block_events(publisher, worker.metrics.registry if worker.metrics is not None else None)

@@ -39,6 +39,8 @@ from glmserve.services.decode.flow import DecodeEvent, DecodeFlow, Stop
 from glmserve.services.decode.flow_context import FlowContext
 from glmserve.services.decode.prefill_client import PrefillPort
 from glmserve.services.engine_thread import EngineThread
+from glmserve.services.host_link import HostLink, HostSettings
+from glmserve.services.host_metrics import HostTierMetrics
 from glmserve.services.worker_metrics import TokenTimer, WorkerMetrics
 
 if TYPE_CHECKING:
@@ -99,9 +101,14 @@ class DecodeWorker:
         prefill: PrefillPort,
         settings: DecodeSettings = DecodeSettings(),
         metrics: Callable[[EngineThread], WorkerMetrics] | None = None,
+        host: HostSettings | None = None,
     ) -> None:
+        """``host``: write finished requests' blocks (prompt and generated) through to the kvstore's
+        host tier, and demote evicted ones there."""
         self._engine = EngineThread(engine_factory, self._on_step, self._on_step_error, "decode-engine")
         self.metrics = metrics(self._engine) if metrics is not None else None
+        self.host_metrics = HostTierMetrics(self.metrics.registry) if self.metrics is not None else None
+        self._host = HostLink(host, backend, self._engine, self.host_metrics) if host is not None else None
         self._backend = backend
         self._prefill = prefill
         self._settings = settings
@@ -126,6 +133,8 @@ class DecodeWorker:
 
         buffer, vocab, max_positions, block_size = await self._engine.submit(limits)
         self._backend.register(buffer)
+        if self._host is not None:
+            await self._host.start(buffer)
         self._context = FlowContext(
             engine=self._engine, prefill=self._prefill, arrivals=self._arrivals,
             settings=self._settings, metrics=self.metrics, target=self._backend.target_info(),
@@ -196,6 +205,8 @@ class DecodeWorker:
             await asyncio.wait([f.task for f in flows if f.task is not None], timeout=10.0)
         if self._context is not None:
             self._context.cancel_quarantines()
+        if self._host is not None:
+            await self._host.close()
         await self._engine.stop()
         self._backend.close()
         await self._prefill.close()

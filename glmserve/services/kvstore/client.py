@@ -48,6 +48,32 @@ class BlockEvent:
 
 
 @dataclass(frozen=True)
+class HostAttachment:
+    """The host tier as a worker sees it after ``host_attach``."""
+
+    target_info: bytes  # where the worker writes host blocks (its transfer backend connects here)
+    num_blocks: int
+    holder_id: str  # index holder id of host-tier blocks (tier HOST)
+
+
+@dataclass(frozen=True)
+class HostWriteGrant:
+    """Host blocks reserved for a write: ``hashes[i]`` goes to host row ``block_ids[i]``; lease 0:
+    nothing to write."""
+
+    lease_id: int
+    hashes: list[bytes]
+    block_ids: list[int]
+
+
+@dataclass(frozen=True)
+class HostLoadOutcome:
+    blocks_loaded: int
+    drained: bool
+    error: str
+
+
+@dataclass(frozen=True)
 class KVStoreHealth:
     backend: str  # "memory" or "redis"
     index_up: bool
@@ -151,6 +177,43 @@ class AsyncKVStoreClient:
     async def health(self) -> KVStoreHealth:
         return _health_from_proto(await self._call("Health", pb.HealthRequest()))
 
+    # -- host tier (see proto/glmserve/kvstore/v1/kvstore.proto) -----------------------------------
+
+    async def host_attach(self, worker: str, transfer_kind: str, block_bytes: int,
+                          target_info: bytes) -> HostAttachment:
+        r = await self._call("HostAttach", pb.HostAttachRequest(
+            worker_id=worker, transfer_kind=transfer_kind, block_bytes=block_bytes, target_info=target_info))
+        return HostAttachment(r.target_info, r.num_blocks, r.holder_id)
+
+    async def host_lookup(self, hashes: Sequence[bytes]) -> int:
+        return (await self._call("HostLookup", pb.LookupRequest(block_hashes=list(hashes)))).num_blocks
+
+    async def host_begin_write(self, worker: str, hashes: Sequence[bytes]) -> HostWriteGrant:
+        r = await self._call("HostBeginWrite", pb.HostBeginWriteRequest(worker_id=worker, block_hashes=list(hashes)))
+        return HostWriteGrant(r.lease_id, list(r.block_hashes), list(r.host_block_ids))
+
+    async def host_end_write(self, lease_id: int, committed: bool) -> int:
+        """Commit or give back a lease (give back only once the write is drained); hashes stored."""
+        r = await self._call("HostEndWrite", pb.HostEndWriteRequest(lease_id=lease_id, committed=committed),
+                             timeout_s=max(self.timeout_s, 10.0))
+        return r.stored
+
+    async def host_load(self, worker: str, request_id: str, generation: int, hashes: Sequence[bytes],
+                        dest_block_ids: Sequence[int], *, timeout_s: float) -> HostLoadOutcome:
+        """Ask the host tier to write the leading stored run of ``hashes`` into our blocks; answers
+        when that write is final. ``timeout_s``: the call's deadline (the agreed transfer timeout)."""
+        r = await self._call("HostLoad", pb.HostLoadRequest(
+            worker_id=worker, request_id=request_id, generation=generation, block_hashes=list(hashes),
+            dest_block_ids=list(dest_block_ids)), timeout_s=timeout_s)
+        return HostLoadOutcome(r.blocks_loaded, r.drained, r.error)
+
+    async def host_cancel_load(self, request_id: str, generation: int) -> tuple[bool, bool]:
+        """(found, drained) of a running load."""
+        r = await self._call("HostCancelLoad", pb.HostCancelLoadRequest(request_id=request_id,
+                                                                         generation=generation),
+                             timeout_s=max(self.timeout_s, 70.0))
+        return r.found, r.drained
+
     async def close(self) -> None:
         await self._channel.close()
 
@@ -160,8 +223,8 @@ class AsyncKVStoreClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    async def _call(self, method: str, request: Any) -> Any:  # typed by the public methods
+    async def _call(self, method: str, request: Any, timeout_s: float | None = None) -> Any:
         try:
-            return await getattr(self._stub, method)(request, timeout=self.timeout_s)
+            return await getattr(self._stub, method)(request, timeout=timeout_s or self.timeout_s)
         except grpc.RpcError as e:
             raise _error(method, e) from None

@@ -1,11 +1,11 @@
 """The kvstore process: ``python -m glmserve.services.kvstore.main --host H --port P
-[--redis-url redis://127.0.0.1:6379/0] [--metrics-port M]``.
+[--redis-url redis://127.0.0.1:6379/0] [--metrics-port M] [--host-tier-bytes N --transfer auto|nixl|tcp]``.
 
 Serves the block index over gRPC (in memory, or in Redis with ``--redis-url`` so several routers
 share it), logs which index it uses, exports Prometheus metrics on ``--metrics-port``, and stops
 cleanly on SIGTERM / SIGINT (exit status 0). A Redis that is down at start is not fatal: the
 service comes up, Health reports ``index_up: false`` and index calls fail with UNAVAILABLE until
-Redis is back.
+Redis is back. ``--host-tier-bytes`` adds the host (CPU) KV block tier (`host_tier`).
 """
 
 from __future__ import annotations
@@ -23,8 +23,10 @@ from prometheus_client import start_http_server
 
 from glmserve.kv.block_index import BlockIndex, InMemoryBlockIndex, RedisBlockIndex
 from glmserve.proto_gen.glmserve.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+from glmserve.services.kvstore.host_tier import HostTier
 from glmserve.services.kvstore.metrics import KVStoreMetrics
 from glmserve.services.kvstore.servicer import KVStoreServicer
+from glmserve.services.worker_server import build_backend
 
 log = logging.getLogger("glmserve.kvstore")
 
@@ -39,6 +41,12 @@ class KVStoreConfig:
     metrics_port: int | None = None  # None: no metrics endpoint
     threads: int = 8  # gRPC handler threads
     grace_s: float = 2.0  # how long in-flight RPCs may finish on shutdown
+    host_tier_bytes: int = 0  # 0: no host tier
+    transfer: str = "auto"  # host-tier transfer backend: auto (NIXL when it imports), nixl, tcp
+    host_lease_timeout_s: float = 120.0  # > the workers' transfer timeout + drain
+    host_holder_id: str = "host"  # index holder id of host-tier blocks
+    check_integrity: bool = False  # check the host pool after every operation (tests)
+    fault_load_delay_s: float = 0.0  # test-only fault injection (see HostTier)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -48,6 +56,12 @@ class KVStoreConfig:
         schemes = ("redis://", "rediss://", "unix://")
         if self.redis_url is not None and not self.redis_url.startswith(schemes):
             raise ValueError(f"redis_url: must start with one of {schemes}, got {self.redis_url!r}")
+        if self.host_tier_bytes < 0:
+            raise ValueError(f"host_tier_bytes: must be >= 0, got {self.host_tier_bytes}")
+        if self.transfer not in ("auto", "nixl", "tcp"):
+            raise ValueError(f"transfer: must be auto, nixl or tcp, got {self.transfer!r}")
+        if self.host_lease_timeout_s <= 0:
+            raise ValueError(f"host_lease_timeout_s: must be > 0, got {self.host_lease_timeout_s}")
         if self.threads < 1:
             raise ValueError(f"threads: must be >= 1, got {self.threads}")
 
@@ -62,6 +76,15 @@ class KVStoreConfig:
         p.add_argument("--redis-timeout", type=float, default=cls.redis_timeout_s, dest="redis_timeout_s")
         p.add_argument("--metrics-port", type=int, default=None)
         p.add_argument("--threads", type=int, default=cls.threads)
+        p.add_argument("--host-tier-bytes", type=int, default=0,
+                       help="size of the host (CPU) KV block tier; 0: none")
+        p.add_argument("--transfer", choices=("auto", "nixl", "tcp"), default="auto",
+                       help="host-tier KV transfer: NIXL when it imports (auto), or TCP")
+        p.add_argument("--host-lease-timeout-s", type=float, default=cls.host_lease_timeout_s)
+        p.add_argument("--host-holder-id", default=cls.host_holder_id)
+        p.add_argument("--check-integrity", action="store_true",
+                       help="check the host pool after every operation (for tests)")
+        p.add_argument("--fault-load-delay-s", type=float, default=0.0, help=argparse.SUPPRESS)
         return cls(**vars(p.parse_args(argv)))
 
     def build_index(self) -> BlockIndex:
@@ -71,12 +94,22 @@ class KVStoreConfig:
                                timeout_s=self.redis_timeout_s)
 
 
+    def build_host_tier(self, index: BlockIndex) -> HostTier | None:
+        if self.host_tier_bytes == 0:
+            return None
+        backend = build_backend(self.transfer, self.host, self.host_lease_timeout_s / 2)
+        return HostTier(self.host_tier_bytes, backend, index, holder_id=self.host_holder_id,
+                        lease_timeout_s=self.host_lease_timeout_s, check_integrity=self.check_integrity,
+                        fault_load_delay_s=self.fault_load_delay_s)
+
+
 def serve(config: KVStoreConfig, stop: threading.Event) -> None:
     """Runs the service until ``stop`` is set."""
     index = config.build_index()
-    metrics = KVStoreMetrics(index)
+    host = config.build_host_tier(index)
+    metrics = KVStoreMetrics(index, host=host)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.threads))
-    pb_grpc.add_KVStoreServicer_to_server(KVStoreServicer(index, metrics), server)
+    pb_grpc.add_KVStoreServicer_to_server(KVStoreServicer(index, metrics, host), server)
     port = server.add_insecure_port(f"{config.host}:{config.port}")
     http = None
     if config.metrics_port is not None:
@@ -87,14 +120,20 @@ def serve(config: KVStoreConfig, stop: threading.Event) -> None:
     if not index.healthy():
         log.warning("index backend unreachable (%s): index calls fail with UNAVAILABLE until it is back",
                     index.describe())
+    if host is not None:
+        log.info("host tier: up to %d bytes, %s transfer (sized when the first worker attaches)",
+                 config.host_tier_bytes, host.backend.kind)
     try:
         while not stop.wait(0.5):  # short waits keep the main thread responsive to signals
-            pass
+            if host is not None:
+                host.expire()  # the lease timeout backstop
     finally:
         log.info("kvstore stopping")
         server.stop(config.grace_s).wait()
         if http is not None:
             http.shutdown()
+        if host is not None:
+            host.close()
         index.close()
         log.info("kvstore stopped")
 

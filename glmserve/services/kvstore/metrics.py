@@ -10,10 +10,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from glmserve.kv.block_index import BlockIndex, IndexUnavailable, Tier
+from glmserve.services.kvstore.host_tier import HostTier
 
 
 class _IndexCollector(Collector):
@@ -37,10 +38,42 @@ class _IndexCollector(Collector):
             yield blocks
 
 
+class _HostTierCollector(Collector):
+    """Host-tier gauges and counters, read from the tier at scrape time."""
+
+    def __init__(self, host: HostTier) -> None:
+        self._host = host
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        s = self._host.stats()
+        if s is None:  # no worker attached yet: the tier has no size
+            return
+        for name, doc, value in (
+            ("glmserve_host_tier_capacity_blocks", "Blocks the host tier can hold.", s.capacity_blocks),
+            ("glmserve_host_tier_blocks", "Blocks stored on the host tier.", s.stored_blocks),
+            ("glmserve_host_tier_bytes", "Bytes of the blocks stored on the host tier.",
+             s.stored_blocks * s.block_bytes),
+            ("glmserve_host_tier_capacity_bytes", "Bytes the host tier can hold.",
+             s.capacity_blocks * s.block_bytes),
+            ("glmserve_host_tier_pinned_blocks", "Host blocks being written or read.", s.pinned_blocks),
+        ):
+            gauge = GaugeMetricFamily(name, doc)
+            gauge.add_metric([], float(value))
+            yield gauge
+        for name, doc, value in (
+            ("glmserve_host_tier_evictions", "Host blocks evicted (LRU) to make room.", s.evictions),
+            ("glmserve_host_tier_expired_leases", "Host-tier leases ended by their timeout.", s.expired_leases),
+        ):
+            counter = CounterMetricFamily(name, doc)
+            counter.add_metric([], float(value))
+            yield counter
+
+
 class KVStoreMetrics:
     """The service's metrics; ``registry`` is what the HTTP exporter serves."""
 
-    def __init__(self, index: BlockIndex, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, index: BlockIndex, registry: CollectorRegistry | None = None,
+                 host: HostTier | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         self.events = Counter("glmserve_kvstore_events", "Block events applied to the index, by kind",
                               ["kind"], registry=self.registry)
@@ -51,3 +84,5 @@ class KVStoreMetrics:
         for kind in ("stored", "removed"):
             self.events.labels(kind=kind)  # export zeros before the first event
         self.registry.register(_IndexCollector(index))
+        if host is not None:
+            self.registry.register(_HostTierCollector(host))

@@ -16,6 +16,7 @@ import grpc
 from glmserve.kv.block_index import BlockIndex, IndexUnavailable, Tier, check_event
 from glmserve.proto_gen.glmserve.kvstore.v1 import kvstore_pb2 as pb
 from glmserve.proto_gen.glmserve.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+from glmserve.services.kvstore.host_tier import HostTier, HostTierUnavailable
 from glmserve.services.kvstore.metrics import KVStoreMetrics
 
 R = TypeVar("R")
@@ -36,6 +37,12 @@ def _rpc(fn: Callable[[Any, Any, grpc.ServicerContext], R]) -> Callable[[Any, An
             code, details = grpc.StatusCode.INVALID_ARGUMENT, str(e)
         except IndexUnavailable as e:
             code, details = grpc.StatusCode.UNAVAILABLE, f"block index unavailable: {e}"
+        except HostTierUnavailable as e:
+            code, details = grpc.StatusCode.FAILED_PRECONDITION, f"host tier: {e}"
+        except KeyError as e:
+            code, details = grpc.StatusCode.NOT_FOUND, f"unknown or expired lease: {e}"
+        except TimeoutError as e:
+            code, details = grpc.StatusCode.DEADLINE_EXCEEDED, str(e)
         if self.metrics is not None:
             self.metrics.rpc_errors.labels(rpc=fn.__name__, code=code.name).inc()
         context.abort(code, details)  # raises
@@ -44,11 +51,18 @@ def _rpc(fn: Callable[[Any, Any, grpc.ServicerContext], R]) -> Callable[[Any, An
 
 
 class KVStoreServicer(pb_grpc.KVStoreServicer):
-    """Serves one ``BlockIndex``; thread-safe because the index is."""
+    """Serves one ``BlockIndex`` and, when given, a ``HostTier``; thread-safe because both are."""
 
-    def __init__(self, index: BlockIndex, metrics: KVStoreMetrics | None = None) -> None:
+    def __init__(self, index: BlockIndex, metrics: KVStoreMetrics | None = None,
+                 host: HostTier | None = None) -> None:
         self.index = index
         self.metrics = metrics
+        self.host = host
+
+    def _host(self) -> HostTier:
+        if self.host is None:
+            raise HostTierUnavailable("this kvstore runs without a host tier (--host-tier-bytes)")
+        return self.host
 
     @_rpc
     def PublishEvents(self, request: pb.EventBatch, context: grpc.ServicerContext) -> pb.Ack:
@@ -78,6 +92,48 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         up = self.index.healthy()
         detail = "" if up else f"cannot reach the index backend: {self.index.describe()}"
         return pb.HealthResponse(index_backend=self.index.backend, index_up=up, detail=detail)
+
+
+    # -- host tier: thin adapters over HostTier ---------------------------------------------------
+
+    @_rpc
+    def HostAttach(self, request: pb.HostAttachRequest, context: grpc.ServicerContext) -> pb.HostAttachResponse:
+        host = self._host()
+        target, num_blocks = host.attach(request.worker_id, request.transfer_kind, request.block_bytes,
+                                         request.target_info)
+        return pb.HostAttachResponse(target_info=target, num_blocks=num_blocks, holder_id=host.holder_id)
+
+    @_rpc
+    def HostLookup(self, request: pb.LookupRequest, context: grpc.ServicerContext) -> pb.HostLookupResponse:
+        return pb.HostLookupResponse(num_blocks=self._host().lookup(list(request.block_hashes)))
+
+    @_rpc
+    def HostBeginWrite(self, request: pb.HostBeginWriteRequest,
+                       context: grpc.ServicerContext) -> pb.HostWriteLease:
+        lease = self._host().begin_write(list(request.block_hashes))
+        if not lease.block_ids:  # nothing to write: no lease to end
+            self._host().end_write(lease.lease_id, committed=False)
+            return pb.HostWriteLease(lease_id=0)
+        return pb.HostWriteLease(lease_id=lease.lease_id, block_hashes=lease.hashes,
+                                 host_block_ids=lease.block_ids)
+
+    @_rpc
+    def HostEndWrite(self, request: pb.HostEndWriteRequest,
+                     context: grpc.ServicerContext) -> pb.HostEndWriteResponse:
+        return pb.HostEndWriteResponse(stored=self._host().end_write(request.lease_id, request.committed))
+
+    @_rpc
+    def HostLoad(self, request: pb.HostLoadRequest, context: grpc.ServicerContext) -> pb.HostLoadResponse:
+        result = self._host().load(request.worker_id, request.request_id, request.generation,
+                                   list(request.block_hashes), list(request.dest_block_ids))
+        return pb.HostLoadResponse(blocks_loaded=result.blocks_loaded, drained=result.drained,
+                                   error=result.error)
+
+    @_rpc
+    def HostCancelLoad(self, request: pb.HostCancelLoadRequest,
+                       context: grpc.ServicerContext) -> pb.HostCancelLoadResponse:
+        found, drained = self._host().cancel_load(request.request_id, request.generation)
+        return pb.HostCancelLoadResponse(found=found, drained=drained)
 
 
 def _event_from_proto(i: int, event: pb.BlockEvent) -> tuple[str, str, Tier, list[bytes]]:

@@ -5,7 +5,9 @@ One job per (request id, generation), each its own asyncio task (a caller that g
 the job, it never cuts it short):
 
 1. connect to the decode worker's transfer target (cached by the backend);
-2. compute: ``engine.add_request(..., max_tokens=1, hold_blocks=True)``; the engine thread's
+2. load (with a host tier, `HostLink`): prompt blocks found only on the kvstore's host tier are
+   loaded into this worker's blocks, so the engine finds them as prefix-cache hits;
+   compute: ``engine.add_request(..., max_tokens=1, hold_blocks=True)``; the engine thread's
    step hook sees the request finish and posts its held blocks, first token and MTP seed;
 3. transfer: one ``backend.write`` of the prompt's blocks into ``dest_block_ids`` with the stamp
    (request id, generation, checksum when asked), awaited until final;
@@ -13,6 +15,7 @@ the job, it never cuts it short):
    in `PrefillHistory`, and answer with the first token, the MTP seed and the stamp.
 
 Abort (``abort(request_id, generation)``, or the caller cancelling): the job is marked at once;
+in load the host load is cancelled (its blocks are freed once the kvstore says it is drained);
 in compute the engine drops the request (its blocks are free when the command runs); in transfer
 the write is cancelled. ``abort`` returns only when the job has ended, with ``drained``: no more
 bytes can land in the destination (False only when the writer could not confirm it, e.g. the
@@ -31,6 +34,8 @@ from typing import TYPE_CHECKING
 
 from glmserve.kv.transfer import KVTransferBackend, TransferError, TransferHandle, TransferStamp
 from glmserve.services.engine_thread import EngineThread
+from glmserve.services.host_link import HostLink, HostSettings, LoadAborted, Loaded
+from glmserve.services.host_metrics import HostTierMetrics
 from glmserve.services.prefill.history import DEFAULT_TTL_S, PrefillHistory
 from glmserve.services.prefill.job import (
     AbortOutcome,
@@ -67,7 +72,7 @@ class _Job:
     spec: PrefillJob
     key: str  # the engine's request id: one per generation
     held: asyncio.Future[_Held]
-    stage: str = "connect"  # connect | compute | transfer
+    stage: str = "connect"  # connect | load | compute | transfer
     abort_reason: str | None = None
     handle: TransferHandle | None = None
     drained: bool = True
@@ -81,15 +86,19 @@ class PrefillWorker:
         backend: KVTransferBackend,
         metrics: Callable[[EngineThread], WorkerMetrics] | None = None,
         history_ttl_s: float = DEFAULT_TTL_S,
+        host: HostSettings | None = None,
     ) -> None:
-        """``metrics``: builds the worker's metrics from its engine thread (for snapshot gauges)."""
+        """``metrics``: builds the worker's metrics from its engine thread (for snapshot gauges).
+        ``host``: use the kvstore's host tier (load-back before prefill, write-through, demotion)."""
         self._engine = EngineThread(engine_factory, self._on_step, self._on_step_error, "prefill-engine")
         self.metrics = metrics(self._engine) if metrics is not None else None
+        self.host_metrics = HostTierMetrics(self.metrics.registry) if self.metrics is not None else None
+        self._host = HostLink(host, backend, self._engine, self.host_metrics) if host is not None else None
         self._backend = backend
         self._history = PrefillHistory(history_ttl_s)
         self._jobs: dict[tuple[str, int], _Job] = {}
         self._by_key: dict[str, _Job] = {}
-        self._background: set[asyncio.Task[AbortOutcome]] = set()
+        self._background: set[asyncio.Task[object]] = set()
         self._buffer: torch.Tensor | None = None
         self._closing = False
 
@@ -103,6 +112,8 @@ class PrefillWorker:
         await self._engine.loaded()
         self._buffer = await self._engine.submit(lambda e: e.cache.buffer)
         self._backend.register(self._buffer)
+        if self._host is not None:
+            await self._host.start(self._buffer)
 
     def health(self) -> WorkerHealth:
         s = self._engine.snapshot
@@ -157,13 +168,22 @@ class PrefillWorker:
             except (TransferError, ValueError, OSError) as e:
                 raise PrefillFailed(f"cannot connect to the decode worker's KV buffer: {e}", drained=True) from e
             self._raise_if_aborted(job)
+            loaded = await self._load(job)
             job.stage = "compute"
             params = dataclasses.replace(spec.params, max_tokens=1, stop=())  # stop strings: decode's job
             prompt = list(spec.prompt_ids)
             salt = spec.cache_salt or None
-            await self._engine.submit(lambda e: e.add_request(job.key, prompt, params, hold_blocks=True,
-                                                              cache_salt=salt))
+
+            def add(e: Engine) -> object:
+                add_it = lambda: e.add_request(job.key, prompt, params, hold_blocks=True,  # noqa: E731
+                                               cache_salt=salt)
+                return add_it() if loaded is None else loaded.apply(e, add_it)
+
+            await self._engine.submit(add)
             held = await job.held
+            if self.host_metrics is not None:
+                host_blocks = 0 if loaded is None else loaded.host_blocks
+                self.host_metrics.count_hits(held.num_cached, host_blocks * self._engine.snapshot.block_size)
             try:
                 self._raise_if_aborted(job)
                 job.stage = "transfer"
@@ -204,6 +224,24 @@ class PrefillWorker:
             m.transfer_failed("writer")
         raise PrefillFailed(f"KV transfer failed: {handle.error}", drained=handle.drained)
 
+    async def _load(self, job: _Job) -> Loaded | None:
+        """Load-back of the prompt's host-only blocks; None when there is none (or it failed: the
+        prompt is then computed). Raises `PrefillAborted` when the job was aborted meanwhile, with
+        everything the load held given back."""
+        if self._host is None or not self._host.ready:
+            return None
+        job.stage = "load"
+        try:
+            loaded = await self._host.load(job.key, job.spec.generation, job.spec.prompt_ids,
+                                           salt=job.spec.cache_salt or None)
+        except LoadAborted as e:
+            log.info("%s: no host blocks: %s", job.key, e)
+            loaded = None
+        if loaded is not None and job.abort_reason is not None:
+            self._host.release(job.key)  # the load finished (drained) before the abort reached it
+        self._raise_if_aborted(job)
+        return loaded
+
     @staticmethod
     def _raise_if_aborted(job: _Job) -> None:
         if job.abort_reason is not None:
@@ -224,6 +262,8 @@ class PrefillWorker:
                 self.metrics.abort(job.stage, label)
             if job.handle is not None:
                 _request_cancel(self._backend, job.handle)
+            elif job.stage == "load" and self._host is not None:
+                self._cancel_load_in_background(job)
             elif job.stage == "compute":
                 self._engine.submit_nowait(lambda e: e.abort(job.key))  # frees the blocks when it runs
                 if not job.held.done():
@@ -231,6 +271,12 @@ class PrefillWorker:
         assert job.task is not None
         await asyncio.wait([job.task])
         return AbortOutcome(found=True, drained=job.drained)
+
+    def _cancel_load_in_background(self, job: _Job) -> None:
+        assert self._host is not None
+        task = asyncio.create_task(self._host.cancel(job.key, job.spec.generation))
+        self._background.add(task)  # a reference, so the task is not collected mid-way
+        task.add_done_callback(self._background.discard)
 
     def _abort_in_background(self, request_id: str, generation: int) -> None:
         task = asyncio.create_task(self.abort(request_id, generation, "caller cancelled", "caller_cancelled"))
@@ -241,6 +287,8 @@ class PrefillWorker:
         """Abort every job (drained or failed), then stop the engine and the backend."""
         self._closing = True
         await asyncio.gather(*(self.abort(r, g, "shutdown", "shutdown") for r, g in list(self._jobs)))
+        if self._host is not None:
+            await self._host.close()
         await self._engine.stop()
         self._backend.close()
 

@@ -97,3 +97,103 @@ class HealthResponse(_message.Message):
     index_up: bool
     detail: str
     def __init__(self, index_backend: _Optional[str] = ..., index_up: _Optional[bool] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class HostAttachRequest(_message.Message):
+    __slots__ = ("worker_id", "transfer_kind", "block_bytes", "target_info")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_KIND_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TARGET_INFO_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    transfer_kind: str
+    block_bytes: int
+    target_info: bytes
+    def __init__(self, worker_id: _Optional[str] = ..., transfer_kind: _Optional[str] = ..., block_bytes: _Optional[int] = ..., target_info: _Optional[bytes] = ...) -> None: ...
+
+class HostAttachResponse(_message.Message):
+    __slots__ = ("target_info", "num_blocks", "holder_id")
+    TARGET_INFO_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    HOLDER_ID_FIELD_NUMBER: _ClassVar[int]
+    target_info: bytes
+    num_blocks: int
+    holder_id: str
+    def __init__(self, target_info: _Optional[bytes] = ..., num_blocks: _Optional[int] = ..., holder_id: _Optional[str] = ...) -> None: ...
+
+class HostLookupResponse(_message.Message):
+    __slots__ = ("num_blocks",)
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    num_blocks: int
+    def __init__(self, num_blocks: _Optional[int] = ...) -> None: ...
+
+class HostBeginWriteRequest(_message.Message):
+    __slots__ = ("worker_id", "block_hashes")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, worker_id: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class HostWriteLease(_message.Message):
+    __slots__ = ("lease_id", "block_hashes", "host_block_ids")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    HOST_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    lease_id: int
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    host_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, lease_id: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., host_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class HostEndWriteRequest(_message.Message):
+    __slots__ = ("lease_id", "committed")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    lease_id: int
+    committed: bool
+    def __init__(self, lease_id: _Optional[int] = ..., committed: _Optional[bool] = ...) -> None: ...
+
+class HostEndWriteResponse(_message.Message):
+    __slots__ = ("stored",)
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    stored: int
+    def __init__(self, stored: _Optional[int] = ...) -> None: ...
+
+class HostLoadRequest(_message.Message):
+    __slots__ = ("worker_id", "request_id", "generation", "block_hashes", "dest_block_ids")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    DEST_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    request_id: str
+    generation: int
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    dest_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, worker_id: _Optional[str] = ..., request_id: _Optional[str] = ..., generation: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., dest_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class HostLoadResponse(_message.Message):
+    __slots__ = ("blocks_loaded", "drained", "error")
+    BLOCKS_LOADED_FIELD_NUMBER: _ClassVar[int]
+    DRAINED_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    blocks_loaded: int
+    drained: bool
+    error: str
+    def __init__(self, blocks_loaded: _Optional[int] = ..., drained: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
+
+class HostCancelLoadRequest(_message.Message):
+    __slots__ = ("request_id", "generation")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    generation: int
+    def __init__(self, request_id: _Optional[str] = ..., generation: _Optional[int] = ...) -> None: ...
+
+class HostCancelLoadResponse(_message.Message):
+    __slots__ = ("found", "drained")
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    DRAINED_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    drained: bool
+    def __init__(self, found: _Optional[bool] = ..., drained: _Optional[bool] = ...) -> None: ...

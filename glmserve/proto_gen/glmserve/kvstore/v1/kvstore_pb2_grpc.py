@@ -57,6 +57,36 @@ class KVStoreStub:
                 request_serializer=glmserve_dot_kvstore_dot_v1_dot_kvstore__pb2.HealthRequest.SerializeToString,
                 response_deserializer=glmserve_dot_kvstore_dot_v1_dot_kvstore__pb2.HealthResponse.FromString,
                 _registered_method=True)
+        self.HostAttach = channel.unary_unary(
+                '/glmserve.kvstore.v1.KVStore/HostAttach',
+                request_serializer=glmserve_dot_kvstore_dot_v1_dot_kvstore__pb2.HostAttachRequest.SerializeToString,
+                response_deserializer=glmserve_dot_kvstore_dot_v1_dot_kvstore__pb2.HostAttachResponse.FromString,
+                _registered_method=True)
+        self.HostLookup = channel.unary_unary(
+                '/glmserve.kvstore.v1.KVStore/HostLookup',
+                request_serializer=glmserve_dot_kvstore_dot_v1_dot_kvstore__pb2.LookupRequest.SerializeToString,
+                response_deserializer=glmserve_dot_kvstore_dot_v1_dot_kvstore__pb2.HostLookupResponse.FromString,
+                _registered_method=True)
+        self.HostBeginWrite = channel.unary_unary(
+                '/glmserve.kvstore.v1.KVStore/HostBeginWrite',
+                request_serializer=glmserve_dot_kvstore_dot_v1_dot_kvstore__pb2.HostBeginWriteRequest.SerializeToString,
+                response_deserializer=glmserve_dot_kvstore_dot_v1_dot_kvstore__pb2.HostWriteLease.FromString,
+                _registered_method=True)
+        self.HostEndWrite = channel.unary_unary(
+                '/glmserve.kvstore.v1.KVStore/HostEndWrite',
+                request_serializer=glmserve_dot_kvstore_dot_v1_dot_kvstore__pb2.HostEndWriteRequest.SerializeToString,
+                response_deserializer=glmserve_dot_kvstore_dot_v1_dot_kvstore__pb2.HostEndWriteResponse.FromString,
+                _registered_method=True)
+        self.HostLoad = channel.unary_unary(
+                '/glmserve.kvstore.v1.KVStore/HostLoad',
+                request_serializer=glmserve_dot_kvstore_dot_v1_dot_kvstore__pb2.HostLoadRequest.SerializeToString,
+                response_deserializer=glmserve_dot_kvstore_dot_v1_dot_kvstore__pb2.HostLoadResponse.FromString,
+                _registered_method=True)
+        self.HostCancelLoad = channel.unary_unary(
+                '/glmserve.kvstore.v1.KVStore/HostCancelLoad',
+                request_serializer=glmserve_dot_kvstore_dot_v1_dot_kvstore__pb2.HostCancelLoadRequest.SerializeToString,
+                response_deserializer=glmserve_dot_kvstore_dot_v1_dot_kvstore__pb2.HostCancelLoadResponse.FromString,
+                _registered_method=True)
 
 
 class KVStoreServicer:
@@ -92,6 +122,51 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def HostAttach(self, request, context):
+        """Host tier (a CPU block pool in this process, written and read with the KV transfer backend).
+        FAILED_PRECONDITION when the service runs without a host tier, or the worker's transfer kind or
+        block size does not match it.
+        A worker introduces itself: its block size in bytes and its transfer target (loads land there).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def HostLookup(self, request, context):
+        """Leading run of the hashes stored on the host tier.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def HostBeginWrite(self, request, context):
+        """Reserve host blocks for the hashes not on the host yet; the worker then writes them.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def HostEndWrite(self, request, context):
+        """The worker's write of a lease ended: committed (all bytes landed) or given back (drained).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def HostLoad(self, request, context):
+        """Copy the leading host run of the hashes into the worker's blocks; answers when final.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def HostCancelLoad(self, request, context):
+        """Stop a running HostLoad; answers once no more bytes can land (drained) or that it is unknown.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -114,6 +189,36 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.Health,
                     request_deserializer=glmserve_dot_kvstore_dot_v1_dot_kvstore__pb2.HealthRequest.FromString,
                     response_serializer=glmserve_dot_kvstore_dot_v1_dot_kvstore__pb2.HealthResponse.SerializeToString,
+            ),
+            'HostAttach': grpc.unary_unary_rpc_method_handler(
+                    servicer.HostAttach,
+                    request_deserializer=glmserve_dot_kvstore_dot_v1_dot_kvstore__pb2.HostAttachRequest.FromString,
+                    response_serializer=glmserve_dot_kvstore_dot_v1_dot_kvstore__pb2.HostAttachResponse.SerializeToString,
+            ),
+            'HostLookup': grpc.unary_unary_rpc_method_handler(
+                    servicer.HostLookup,
+                    request_deserializer=glmserve_dot_kvstore_dot_v1_dot_kvstore__pb2.LookupRequest.FromString,
+                    response_serializer=glmserve_dot_kvstore_dot_v1_dot_kvstore__pb2.HostLookupResponse.SerializeToString,
+            ),
+            'HostBeginWrite': grpc.unary_unary_rpc_method_handler(
+                    servicer.HostBeginWrite,
+                    request_deserializer=glmserve_dot_kvstore_dot_v1_dot_kvstore__pb2.HostBeginWriteRequest.FromString,
+                    response_serializer=glmserve_dot_kvstore_dot_v1_dot_kvstore__pb2.HostWriteLease.SerializeToString,
+            ),
+            'HostEndWrite': grpc.unary_unary_rpc_method_handler(
+                    servicer.HostEndWrite,
+                    request_deserializer=glmserve_dot_kvstore_dot_v1_dot_kvstore__pb2.HostEndWriteRequest.FromString,
+                    response_serializer=glmserve_dot_kvstore_dot_v1_dot_kvstore__pb2.HostEndWriteResponse.SerializeToString,
+            ),
+            'HostLoad': grpc.unary_unary_rpc_method_handler(
+                    servicer.HostLoad,
+                    request_deserializer=glmserve_dot_kvstore_dot_v1_dot_kvstore__pb2.HostLoadRequest.FromString,
+                    response_serializer=glmserve_dot_kvstore_dot_v1_dot_kvstore__pb2.HostLoadResponse.SerializeToString,
+            ),
+            'HostCancelLoad': grpc.unary_unary_rpc_method_handler(
+                    servicer.HostCancelLoad,
+                    request_deserializer=glmserve_dot_kvstore_dot_v1_dot_kvstore__pb2.HostCancelLoadRequest.FromString,
+                    response_serializer=glmserve_dot_kvstore_dot_v1_dot_kvstore__pb2.HostCancelLoadResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -226,6 +331,168 @@ class KVStore:
             '/glmserve.kvstore.v1.KVStore/Health',
             glmserve_dot_kvstore_dot_v1_dot_kvstore__pb2.HealthRequest.SerializeToString,
             glmserve_dot_kvstore_dot_v1_dot_kvstore__pb2.HealthResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def HostAttach(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/glmserve.kvstore.v1.KVStore/HostAttach',
+            glmserve_dot_kvstore_dot_v1_dot_kvstore__pb2.HostAttachRequest.SerializeToString,
+            glmserve_dot_kvstore_dot_v1_dot_kvstore__pb2.HostAttachResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def HostLookup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/glmserve.kvstore.v1.KVStore/HostLookup',
+            glmserve_dot_kvstore_dot_v1_dot_kvstore__pb2.LookupRequest.SerializeToString,
+            glmserve_dot_kvstore_dot_v1_dot_kvstore__pb2.HostLookupResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def HostBeginWrite(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/glmserve.kvstore.v1.KVStore/HostBeginWrite',
+            glmserve_dot_kvstore_dot_v1_dot_kvstore__pb2.HostBeginWriteRequest.SerializeToString,
+            glmserve_dot_kvstore_dot_v1_dot_kvstore__pb2.HostWriteLease.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def HostEndWrite(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/glmserve.kvstore.v1.KVStore/HostEndWrite',
+            glmserve_dot_kvstore_dot_v1_dot_kvstore__pb2.HostEndWriteRequest.SerializeToString,
+            glmserve_dot_kvstore_dot_v1_dot_kvstore__pb2.HostEndWriteResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def HostLoad(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/glmserve.kvstore.v1.KVStore/HostLoad',
+            glmserve_dot_kvstore_dot_v1_dot_kvstore__pb2.HostLoadRequest.SerializeToString,
+            glmserve_dot_kvstore_dot_v1_dot_kvstore__pb2.HostLoadResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def HostCancelLoad(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/glmserve.kvstore.v1.KVStore/HostCancelLoad',
+            glmserve_dot_kvstore_dot_v1_dot_kvstore__pb2.HostCancelLoadRequest.SerializeToString,
+            glmserve_dot_kvstore_dot_v1_dot_kvstore__pb2.HostCancelLoadResponse.FromString,
             options,
             channel_credentials,
             insecure,
