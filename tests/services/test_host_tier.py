@@ -153,7 +153,7 @@ def test_memory_pressure_demotes_and_never_drops_blocks_in_use(tmp_path: Path) -
         rng = random.Random(11)
         prompts = [[rng.randrange(10, 8000) for _ in range(rng.randrange(380, 460))] for _ in range(6)]
 
-        async def round_(tag: str, limit: int) -> list[Outcome]:
+        async def round_(tag: str, batch: list[list[int]], limit: int) -> list[Outcome]:
             gate = asyncio.Semaphore(limit)
             async with grpc.aio.insecure_channel(decode.address) as channel:
                 stub = decode_grpc.DecodeStub(channel)
@@ -162,18 +162,22 @@ def test_memory_pressure_demotes_and_never_drops_blocks_in_use(tmp_path: Path) -
                     async with gate:
                         return await generate(stub, generate_request(f"{tag}-{i}", prompt, GREEDY, prefill.address))
 
-                return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+                return await asyncio.gather(*(one(i, p) for i, p in enumerate(batch)))
 
-        first = asyncio.run(round_("first", 1))
-        second = asyncio.run(round_("second", 3))
-        for a, b in zip(first, second, strict=True):
-            assert a.finish_reason == b.finish_reason == "length" and not a.error and not b.error
-            assert a.tokens == b.tokens
+        first = asyncio.run(round_("first", prompts, 1))
+        # Newest first, one at a time: device hits, then blocks only the host still holds (load-back).
+        # Concurrently, a load may lose its blocks to host eviction between lookup and load.
+        second = asyncio.run(round_("second", prompts[::-1], 1))[::-1]
+        third = asyncio.run(round_("third", prompts, 3))  # three at a time, under pressure
+        for a, b, c in zip(first, second, third, strict=True):
+            assert a.finish_reason == b.finish_reason == c.finish_reason == "length"
+            assert not a.error and not b.error and not c.error
+            assert a.tokens == b.tokens == c.tokens
         m = prefill.metrics()
         assert m[("glmserve_host_tier_demotions_total", ())] > 0
         assert m[("glmserve_host_tier_writes_total", (("kind", "write_through"),))] == 0
         assert hit_tokens(m, "host") > 0 and m[("glmserve_host_tier_loadbacks_total", ())] > 0
-        assert sum(o.num_cached_tokens for o in second) == hit_tokens(m, "host") + hit_tokens(m, "device")
+        assert sum(o.num_cached_tokens for o in second + third) == hit_tokens(m, "host") + hit_tokens(m, "device")
         assert kvstore.metrics()["glmserve_host_tier_evictions_total"] > 0
         for worker in (prefill, decode):
             assert wait_used_zero(worker) == 0, worker.role
