@@ -4,9 +4,8 @@ as real processes on 127.0.0.1 and the unmodified `openai` client, streaming.
 The clients whose request was on the killed worker get an error (an SSE error
 event, raised by the client as `openai.APIError`) within seconds, not a hang; the other clients
 finish with exactly the text of an unloaded run (greedy); new requests succeed on the worker left.
-KV moves over TCP: with NIXL, the four workers' idle progress threads take most of a 2-core CI
-machine (4x slower here). A prefill worker killed mid-write over each transfer kind is covered
-worker-level in test_workers_disaggregated.py.
+KV moves over NIXL where it imports (the deployment default), else TCP; a prefill worker killed
+mid-write over each transfer kind is covered worker-level in test_workers_disaggregated.py.
 """
 
 from __future__ import annotations
@@ -22,7 +21,9 @@ import openai
 import pytest
 from worker_fixtures import HAS_MODEL, MODEL_DIR, RouterProcess, WorkerProcess
 
-TRANSFER = "tcp"
+from glmserve.kv.transfer import nixl_unavailable_reason
+
+TRANSFER = "tcp" if nixl_unavailable_reason() is not None else "nixl"
 PROMPT_ERROR_S = 5.0  # the affected streams must end this soon after the kill
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not HAS_MODEL, reason=f"no model at {MODEL_DIR}")]
