@@ -16,7 +16,7 @@ write() to "done" (every byte in the receiver's memory), best of `--repeats`; ag
 `torch` copy_ of the same bytes, the limit on this host. For scale, the bytes per token of the
 real GLM-5.2 layout are printed too (the KV of a 32K prompt there is ~33x the tiny model's).
 
-    python bench/bench_disaggregated.py [--lengths 256,1024,4096 --requests 5 --transfer tcp ...]
+    python bench/bench_disaggregated.py [--lengths 256,1024,4096 --requests 5 --transfer auto ...]
 """
 
 from __future__ import annotations
@@ -78,8 +78,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", type=Path, default=REPO / "models" / "glm52-tiny")
     p.add_argument("--lengths", type=int_list, default=[256, 1024, 4096], help="prompt tokens (TTFT)")
     p.add_argument("--requests", type=int, default=5, help="timed requests per system and length")
-    p.add_argument("--transfer", choices=["tcp", "nixl", "auto"], default="tcp",
-                   help="KV transfer of the platform in (a) (tcp: no idle NIXL progress threads competing)")
+    p.add_argument("--transfer", choices=["tcp", "nixl", "auto"], default="auto",
+                   help="KV transfer of the platform in (a) (auto: NIXL where it imports)")
     p.add_argument("--kv-tokens", type=int_list, default=[4096, 32768], help="prompt tokens worth of KV (b)")
     p.add_argument("--kinds", default="nixl,tcp", help="transfer backends measured in (b)")
     p.add_argument("--repeats", type=int, default=5, help="writes per size and backend; the best counts")
