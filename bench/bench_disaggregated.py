@@ -204,6 +204,8 @@ def ttft_table(times: dict[tuple[str, int], list[float]], lengths: list[int]) ->
 
 
 def run_ttft(args: argparse.Namespace) -> None:
+    if args.transfer == "auto":  # what `glmserve serve` picks, named in the output
+        args.transfer = "nixl" if nixl_unavailable_reason() is None else "tcp"
     servers = start_servers(args.model, args.transfer)
     try:
         urls = {name: s.url for name, s in servers.items()}
