@@ -7,7 +7,9 @@ NIXL's release of an active request plus our fence.
 
 from __future__ import annotations
 
+import os
 import time
+from pathlib import Path
 
 import pytest
 
@@ -94,6 +96,21 @@ def test_peer_death_fails_the_write_promptly(receivers):
         start = time.monotonic()
         backend.close()
         assert time.monotonic() - start < 5.0
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_an_idle_receiver_uses_little_cpu(receiver):
+    """NIXL's own progress thread (poll delay 0) took ~0.3-0.5 of a core per idle process; the
+    receiver's progress loop sleeps between polls. Own CPU time: other load does not count."""
+    time.sleep(0.5)  # the previous test's write has settled
+    before, start = _cpu_seconds(receiver.process.pid), time.monotonic()
+    time.sleep(2.0)
+    share = (_cpu_seconds(receiver.process.pid) - before) / (time.monotonic() - start)
+    assert share < 0.15, f"an idle NIXL receiver used {share:.0%} of a core"
 
 
 def test_throughput_helper_reports_bytes_per_second(writer):

@@ -3,6 +3,7 @@
 ``WorkerProcess.launch(role, transfer, log)`` starts ``python -m glmserve.services.<role>.main``
 with the bundled model on a free port; ``ready()`` waits for its ``READY host:port`` line.
 ``stop()`` sends SIGTERM (and checks the exit status), ``kill()`` is kill -9.
+``RouterProcess.launch(decode, prefill, log)`` starts the router over such workers the same way.
 """
 
 from __future__ import annotations
@@ -45,6 +46,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _spawn(cmd: list[str], log: Path) -> subprocess.Popen[bytes]:
+    # This checkout's code, whatever an installed glmserve points at.
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    # One torch thread per worker: the CI machine has 2 cores and runs two or three workers.
+    env = {**os.environ, "PYTHONPATH": path, "NIXL_LOG_LEVEL": "WARN", "OMP_NUM_THREADS": "1"}
+    with open(log, "ab") as err:
+        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, env=env, cwd=REPO)
+
+
 class WorkerProcess:
     def __init__(self, role: str, proc: subprocess.Popen[bytes], log: Path, metrics_port: int) -> None:
         self.role, self.proc, self.log, self.metrics_port = role, proc, log, metrics_port
@@ -57,13 +67,7 @@ class WorkerProcess:
                "--host", "127.0.0.1", "--port", "0", "--worker-id", f"{role}-{log.stem}",
                "--transfer", transfer, "--kv-cache-bytes", str(kv_cache_bytes),
                "--metrics-port", str(metrics_port := free_port()), *extra]
-        # This checkout's code, whatever an installed glmserve points at.
-        path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
-        # One torch thread per worker: the CI machine has 2 cores and runs two or three workers.
-        env = {**os.environ, "PYTHONPATH": path, "NIXL_LOG_LEVEL": "WARN", "OMP_NUM_THREADS": "1"}
-        with open(log, "ab") as err:
-            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, env=env, cwd=REPO)
-        return cls(role, proc, log, metrics_port)
+        return cls(role, _spawn(cmd, log), log, metrics_port)
 
     def ready(self, timeout_s: float = 90.0) -> WorkerProcess:
         """Wait for the ``READY host:port`` line."""
@@ -81,6 +85,11 @@ class WorkerProcess:
                 if line.startswith("READY "):
                     self.address = line.split()[1]
         return self
+
+    def cpu_seconds(self) -> float:
+        """User + system CPU time the process used so far (from /proc/<pid>/stat)."""
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     def health(self) -> object:
         stub_cls = decode_grpc.DecodeStub if self.role == "decode" else prefill_grpc.PrefillStub
@@ -118,6 +127,33 @@ class WorkerProcess:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait()
+
+
+class RouterProcess(WorkerProcess):
+    """The router (``python -m glmserve.services.router.main``) over worker addresses; ``address``
+    is its base URL (``http://127.0.0.1:port``) once `ready` saw its READY line."""
+
+    @classmethod
+    def launch_router(cls, decode: Sequence[str], prefill: Sequence[str], log: Path) -> RouterProcess:
+        # Polls every 0.2 s: a restarted or new worker is chosen within a fraction of a second.
+        cmd = [sys.executable, "-m", "glmserve.services.router.main", "--model", str(MODEL_DIR),
+               "--host", "127.0.0.1", "--port", "0", "--decode", ",".join(decode),
+               "--prefill", ",".join(prefill), "--poll-interval", "0.2"]
+        return cls("router", _spawn(cmd, log), log, 0)
+
+    def wait_ready(self, timeout_s: float = 30.0) -> RouterProcess:
+        """Wait until ``/ready`` answers 200 (a prefill and a decode worker are healthy)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                with urllib.request.urlopen(f"{self.address}/ready", timeout=2) as r:
+                    if r.status == 200:
+                        return self
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"router not ready in {timeout_s}s:\n{self.log.read_text()}")
+            time.sleep(0.05)
 
 
 @dataclass

@@ -24,6 +24,10 @@ same-host DRAM puts, TCP over loopback for notifications, with ``ucx_error_handl
   receiver mid-write is seen within milliseconds here). The fence then fails as well: the handle is
   failed and not drained, and ``cancel`` raises ``TransferDrainError``.
 - A request still in progress after ``timeout_s`` is released, fenced and failed.
+- A write completes only while the receiver progresses its UCX worker as well (measured: without
+  that, not even the first chunk finishes). NIXL's progress thread would do it, but 1.5.1 runs it
+  as a busy loop; a receiver here polls every ``progress_interval_s`` instead (~0.3-0.5 of a core
+  idle before, a few percent now).
 """
 
 from __future__ import annotations
@@ -94,14 +98,17 @@ class NixlTransferBackend(KVTransferBackend):
         drain_timeout_s: float = 5.0,
         error_handling: str = "peer",
         poll_interval_s: float = 0.0002,
+        progress_interval_s: float = 0.001,
     ) -> None:
         """``error_handling``: UCX's ``peer`` (default: peer failures are reported; UCX then uses CMA
         and TCP here) or ``none`` (needed for UCX's posix/sysv shared-memory transports; a dead peer
-        may then go unnoticed until ``timeout_s``)."""
+        may then go unnoticed until ``timeout_s``). ``progress_interval_s``: how often a receiver
+        progresses its UCX worker (what a write into it waits for at most per round trip)."""
         for field, value in (
             ("chunk_bytes", chunk_bytes),
             ("timeout_s", timeout_s),
             ("drain_timeout_s", drain_timeout_s),
+            ("progress_interval_s", progress_interval_s),
         ):
             if value <= 0:
                 raise ValueError(f"{field}: must be > 0, got {value!r}")
@@ -112,9 +119,13 @@ class NixlTransferBackend(KVTransferBackend):
         self._chunk_bytes, self._timeout_s = chunk_bytes, timeout_s
         self._drain_timeout_s, self._poll_s = drain_timeout_s, poll_interval_s
         self.cancel_timeout_s = timeout_s + drain_timeout_s
-        # STRICT: write threads and the caller use the agent at the same time.
+        # STRICT: write threads, the receiver's progress thread and the caller share the agent.
+        # No NIXL progress thread: nixl 1.5.1 runs it with a poll delay of 0, a busy loop that takes
+        # ~0.3-0.5 of a core per idle worker. A writer's thread progresses its own requests
+        # (transfer / check_xfer_state); a receiver must progress too, or writes into it never
+        # finish, which ``_progress_loop`` does at ``progress_interval_s`` (see ``target_info``).
         config = nixl.nixl_agent_config(
-            backends=[], sync_mode=nixl.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
+            enable_prog_thread=False, backends=[], sync_mode=nixl.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
         )
         self._agent = nixl.nixl_agent(self.name, config)
         # One worker, so a fence shares the endpoint of the write it fences.
@@ -128,6 +139,10 @@ class NixlTransferBackend(KVTransferBackend):
         self._peers: dict[str, _Peer] = {}
         self._threads: dict[TransferHandle, threading.Thread] = {}
         self._closed = False
+        self._progress_interval_s = progress_interval_s
+        self._progress: threading.Thread | None = None  # started by target_info: receivers only
+        self._stop_progress = threading.Event()
+        self._notifs: list[tuple[str, bytes]] = []  # read by the progress thread, not yet returned
 
     # -- both sides --------------------------------------------------------------------------------
 
@@ -153,6 +168,9 @@ class NixlTransferBackend(KVTransferBackend):
                 return
             self._closed = True
             threads = dict(self._threads)
+        self._stop_progress.set()
+        if self._progress is not None:
+            self._progress.join()
         for handle in threads:
             handle.cancel_requested.set()
         for thread in threads.values():
@@ -177,6 +195,10 @@ class NixlTransferBackend(KVTransferBackend):
         if self._buffer is None:
             raise TransferError("target_info: register a buffer first")
         metadata = self._agent.get_agent_metadata()  # after registration: it carries the memory keys
+        with self._lock:  # whoever hands out target_info receives writes: progress from now on
+            if self._progress is None and not self._closed:
+                self._progress = threading.Thread(target=self._progress_loop, name="nixl-progress", daemon=True)
+                self._progress.start()
         return encode_info(
             self.kind,
             {
@@ -191,16 +213,30 @@ class NixlTransferBackend(KVTransferBackend):
         )
 
     def completions(self) -> list[TransferStamp]:
+        self._read_notifs()
+        with self._lock:
+            notifs, self._notifs = self._notifs, []
         stamps: list[TransferStamp] = []
-        for agent, messages in self._agent.get_new_notifs().items():
-            for message in messages:
-                try:
-                    stamps.append(TransferStamp.decode(message))
-                except ValueError:
-                    logger.warning(
-                        "ignoring a NIXL notification from %s that is no stamp: %r", agent, message[:64]
-                    )
+        for agent, message in notifs:
+            try:
+                stamps.append(TransferStamp.decode(message))
+            except ValueError:
+                logger.warning("ignoring a NIXL notification from %s that is no stamp: %r", agent, message[:64])
         return stamps
+
+    def _read_notifs(self) -> None:
+        """Progress the UCX worker (get_new_notifs does) and keep what arrived for ``completions``."""
+        arrived = self._agent.get_new_notifs()
+        if arrived:
+            with self._lock:
+                self._notifs += [(agent, m) for agent, messages in arrived.items() for m in messages]
+
+    def _progress_loop(self) -> None:
+        while not self._stop_progress.wait(self._progress_interval_s):
+            try:
+                self._read_notifs()
+            except Exception:  # keep progressing: a stuck receiver would stall every writer
+                logger.exception("NIXL progress failed")
 
     # -- writer ------------------------------------------------------------------------------------
 

@@ -118,7 +118,10 @@ class PrefillWorker:
     def health(self) -> WorkerHealth:
         s = self._engine.snapshot
         ready = s.loaded and self._engine.alive and not self._closing
-        return WorkerHealth(ready, s.running + s.held, s.waiting, s.free_blocks, s.cache_root, s.block_size)
+        # The snapshot is taken between engine steps, so a prompt computed in one step would never
+        # show as running there; the job table holds every accepted job from its start to its end.
+        running = max(s.running + s.held, len(self._jobs) - s.waiting)
+        return WorkerHealth(ready, running, s.waiting, s.free_blocks, s.cache_root, s.block_size)
 
     # --- prefill ----------------------------------------------------------------------------------
 
