@@ -90,3 +90,11 @@ def test_a_slow_answer_is_tolerated_a_refused_connection_is_not() -> None:
     p.report(A, None, p.epoch(A), "slow", slow=True)
     assert p.is_healthy(A)
     assert p.report(A, None, p.epoch(A), "health: UNAVAILABLE") is True and not p.is_healthy(A)
+
+
+def test_a_finished_request_is_taken_off_the_last_report() -> None:
+    p = WorkerPool("prefill", [A])
+    p.acquire(A)
+    p.report(A, HealthReport(True, running=1), p.epoch(A))  # polled while the request ran
+    p.release(A)
+    assert [v.load for v in p.views()] == [0]  # not busy until the next poll

@@ -19,7 +19,7 @@ whom to send a request to.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 @dataclass(frozen=True)
@@ -157,6 +157,10 @@ class WorkerPool:
     def release(self, address: str) -> None:
         w = self._workers[address]
         w.inflight = max(0, w.inflight - 1)
+        if w.report is not None and w.report.running > 0:
+            # The last poll probably counted the request that just ended; without this a stale
+            # report keeps an idle worker looking busy until the next poll.
+            w.report = replace(w.report, running=w.report.running - 1)
 
     def views(self) -> list[WorkerView]:
         return [
