@@ -144,7 +144,9 @@ def test_memory_pressure_demotes_and_never_drops_blocks_in_use(tmp_path: Path) -
     is itself too small: evicted device blocks are demoted (copied to the host before reuse), host
     eviction skips pinned blocks, integrity checks run after every step and host operation, and
     every output still equals the first round's (TCP; the transfer kinds are covered above)."""
-    kvstore = HostKVStore(tmp_path / "kvstore.log", "tcp", 30 * 372_736, "--check-integrity")
+    # 24 device and 20 host blocks against ~40 distinct prompt blocks: the device demotes from the
+    # first round on, and the host must evict (already in the second round).
+    kvstore = HostKVStore(tmp_path / "kvstore.log", "tcp", 20 * 372_736, "--check-integrity")
     flags = ("--kvstore", kvstore.address, "--check-integrity", "--host-write-through", "off")
     prefill = WorkerProcess.launch("prefill", "tcp", tmp_path / "prefill.log", *flags, kv_cache_bytes=24 * 372_736)
     decode = WorkerProcess.launch("decode", "tcp", tmp_path / "decode.log", *flags)
