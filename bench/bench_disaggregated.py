@@ -272,7 +272,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(1)  # the memcpy baseline: one thread, as one transfer is one stream
     command = "python bench/bench_disaggregated.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    print_header("Disaggregated serving vs one process (preliminary)", command.strip())
+    print_header("Disaggregated serving vs one process", command.strip())
     load, start = load_average(), time.perf_counter()
     if not args.skip_ttft:
         run_ttft(args)

@@ -135,7 +135,10 @@ class Cluster:
         self.decode.ready(), self.prefill.ready()
 
     def _worker(self, role: str) -> Proc:
-        return Proc(role, [f"glmserve.services.{role}.main", "--worker-id", role, *self.worker_args], self.logs)
+        # A cold 16K-token prefill on one CPU thread takes minutes: past decode's default deadline.
+        extra = ["--prefill-timeout-s", "1800"] if role == "decode" else []
+        return Proc(role, [f"glmserve.services.{role}.main", "--worker-id", role, *self.worker_args, *extra],
+                    self.logs)
 
     def restart_prefill(self) -> None:
         self.prefill.stop()

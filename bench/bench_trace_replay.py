@@ -241,7 +241,7 @@ def main(argv: list[str] | None = None) -> None:
             rows.append([blocks, policy, f"{res.ratio:.1%}", f"{res.ratio / ideal:.0%}",
                          statistics.mean(res.ttfts), p90(res.ttfts), reasons])
     command = "python bench/bench_trace_replay.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    print_header("Trace replay: prefix-cache hit ratio and cache-aware routing (preliminary)", command.strip())
+    print_header("Trace replay: prefix-cache hit ratio and cache-aware routing", command.strip())
     print(f"- trace: {args.trace.name}, first {len(trace)} requests, {args.tokens_per_id} tokens per 512-token "
           f"id, block size {args.block_size}, {total:,} prompt tokens")
     print(f"- 2 prefill workers; modelled prefill rate {rate:,.0f} tokens/s per worker "

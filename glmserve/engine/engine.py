@@ -268,10 +268,12 @@ class Engine:
                 continue  # a held prefill still gets its MTP KV: decode drafts from it
             if self.use_mtp:
                 to_draft.append((req, start, main.hidden[i], was_decode))
-        if to_draft:
-            self._draft(to_draft)
-        if pure_decode:  # the policy learns from whole steps: every cost of speculating is in them
-            self.policy.record_step(len(work), draft_counts.pop(), time.perf_counter() - t0, gained)
+        t_forward = time.perf_counter()
+        drafted = self._draft(to_draft) if to_draft else None
+        if pure_decode:  # the policy learns what verifying and drafting each cost in such steps
+            self.policy.record_step(len(work), draft_counts.pop(), t_forward - t0, gained)
+            if drafted is not None:
+                self.policy.record_drafting(len(work), drafted, time.perf_counter() - t_forward)
         self.stats.preemptions = self.scheduler.num_preemptions
         if self.config.check_integrity:
             self.pool.check_integrity()
@@ -361,8 +363,9 @@ class Engine:
 
     # --- MTP drafting ---------------------------------------------------------------------------
 
-    def _draft(self, items: list[tuple[Request, int, torch.Tensor, bool]]) -> None:
-        """Bring each request's MTP KV up to date with this step's hidden states, then draft.
+    def _draft(self, items: list[tuple[Request, int, torch.Tensor, bool]]) -> int:
+        """Bring each request's MTP KV up to date with this step's hidden states, then draft;
+        returns the number of drafts chosen.
 
         Prompt positions always get MTP KV (later drafts attend to them). Decode steps that want no
         drafts keep their hidden rows pending instead, and the next drafting step runs them all, so
@@ -382,16 +385,17 @@ class Engine:
             next_tokens.append(req.token_ids[first + 1 : req.num_computed + 1])
             req.mtp_synced, req.mtp_pending = req.num_computed, []
         if not reqs:
-            return
+            return k
         result = self.runner.run_mtp(reqs, starts, hidden, next_tokens)
         if k == 0:
-            return
+            return k
         picks = [
             i for i, r in enumerate(reqs)
             if not r.in_prefill and not r.is_finished and self.kv.ensure(r, r.num_computed + k + 1)
         ]
         self._draft_steps([reqs[i] for i in picks], result.hidden[picks], result.logits[picks],
                           [result.topk[i] for i in picks], k)
+        return k
 
     @staticmethod
     def _defer_mtp(req: Request, start: int, rows: torch.Tensor) -> None:

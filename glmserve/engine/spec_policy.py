@@ -1,11 +1,14 @@
 """SpecPolicy: how many MTP drafts to propose next step, chosen from what each choice really gave.
 
 For each batch-size bucket (powers of two) and each k in 0..max_drafts it keeps running averages of
-the wall time of a pure decode step and of the tokens a request gained per step. It picks the k with
-the most tokens per second (k > 0 only when it beats k = 0 by a margin). Everything the engine spends
-on speculation (drafting, verification, bookkeeping) is in the measured time, so when speculation does not pay (large batches, low
-acceptance) k = 0 wins. Every `explore_every` steps it re-measures a neighbour of the best k, since
-load and acceptance drift.
+the wall time of a pure decode step's forward that verified k drafts, of the time drafting k took
+(MTP forwards, catching up deferred positions included), and of the tokens a request gained per step.
+A step's forward verifies the drafts chosen one step earlier, while its drafting serves the next
+step, so the two are recorded under their own k. It picks the k with the most tokens per second
+(k > 0 only when it beats k = 0 by a margin). Everything the engine spends on speculation is in the
+measured times, so when speculation does not pay (large batches, low acceptance) k = 0 wins. A
+bucket tries k + 1 only once k has beaten every shorter choice. Every `explore_every` steps it
+re-measures a neighbour of the best k, since load and acceptance drift.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ class SpecPolicy:
         self.max_drafts = max_drafts
         self.explore_every = explore_every
         self.step_seconds: dict[tuple[int, int], RunningMean] = {}
+        self.draft_seconds: dict[tuple[int, int], RunningMean] = {}
         self.tokens_per_step: dict[int, RunningMean] = {0: RunningMean()}
         self.tokens_per_step[0].add(1.0)
         self._steps = 0
@@ -40,12 +44,27 @@ class SpecPolicy:
         return max(batch_size, 1).bit_length()
 
     def record_step(self, batch_size: int, drafts: int, seconds: float, tokens_gained: float) -> None:
-        """A pure decode step of `batch_size` requests that verified `drafts` drafts each."""
+        """The forward (and verification) of a pure decode step of `batch_size` requests that
+        verified `drafts` drafts each."""
         if drafts > self.max_drafts or batch_size == 0:
             return
         self.step_seconds.setdefault((self.bucket(batch_size), drafts), RunningMean()).add(seconds)
         if drafts:
             self.tokens_per_step.setdefault(drafts, RunningMean()).add(tokens_gained / batch_size)
+
+    def record_drafting(self, batch_size: int, drafts: int, seconds: float) -> None:
+        """Drafting `drafts` tokens for each of `batch_size` decoding requests took `seconds`."""
+        if drafts > self.max_drafts or batch_size == 0:
+            return
+        self.draft_seconds.setdefault((self.bucket(batch_size), drafts), RunningMean()).add(seconds)
+
+    def _rate(self, bucket: int, k: int) -> float | None:
+        """Tokens per second with k drafts in this bucket; None until measured."""
+        step, gain = self.step_seconds.get((bucket, k)), self.tokens_per_step.get(k)
+        draft = self.draft_seconds.get((bucket, k)) if k else None
+        if step is None or gain is None or (k and draft is None):
+            return None
+        return gain.value / (step.value + (draft.value if draft is not None else 0.0))
 
     def choose(self, batch_size: int) -> int:
         """Drafts per request for the next step of a batch of `batch_size` decoding requests."""
@@ -53,12 +72,16 @@ class SpecPolicy:
             return 0
         self._steps += 1
         b = self.bucket(batch_size)
-        rates = {}
+        rates: dict[int, float] = {}
         for k in range(self.max_drafts + 1):
-            cost, gain = self.step_seconds.get((b, k)), self.tokens_per_step.get(k)
-            if cost is None or cost.value is None or gain is None or gain.value is None:
-                return k  # measure every choice once per bucket before comparing
-            rates[k] = gain.value / cost.value
+            rate = self._rate(b, k)
+            if rate is None:
+                # Measure k only while each longer draft has paid so far: a k that loses to k - 1
+                # is not worth one more costly step to learn that k + 1 loses too.
+                if not rates or max(rates, key=rates.__getitem__) == k - 1:
+                    return k
+                break
+            rates[k] = rate
         best = max(rates, key=rates.__getitem__)
         if rates[best] < rates[0] * (1 + MARGIN):
             best = 0

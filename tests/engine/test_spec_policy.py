@@ -7,8 +7,9 @@ from glmserve.engine.spec_policy import SpecPolicy
 
 def _feed(policy: SpecPolicy, batch: int, seconds: dict[int, float], tokens: dict[int, float], rounds: int = 5):
     for _ in range(rounds):
-        for k, sec in seconds.items():
+        for k, sec in seconds.items():  # sec: the whole cost of a step with k drafts
             policy.record_step(batch, k, sec, tokens[k] * batch)
+            policy.record_drafting(batch, k, 0.0)
 
 
 def test_measures_each_choice_first():
@@ -16,6 +17,10 @@ def test_measures_each_choice_first():
     assert policy.choose(1) == 0
     policy.record_step(1, 0, 0.01, 1)
     assert policy.choose(1) == 1
+    policy.record_step(1, 1, 0.01, 2)
+    assert policy.choose(1) == 1  # drafting 1 not measured yet
+    policy.record_drafting(1, 1, 0.002)
+    assert policy.choose(1) == 2
 
 
 def test_speculates_when_verification_is_nearly_free():
@@ -45,3 +50,20 @@ def test_a_marginal_gain_does_not_turn_speculation_on():
     assert policy.choose(8) == 0
     _feed(policy, 8, {0: 0.010, 1: 0.0150}, {0: 1, 1: 1.7}, rounds=30)  # 13% more
     assert policy.choose(8) == 1
+
+
+def test_drafting_is_charged_to_the_drafts_it_made():
+    """A step that verified nothing but then drafted is a k = 0 forward plus k = 1 drafting."""
+    policy = SpecPolicy(max_drafts=1, explore_every=10**9)
+    for _ in range(10):
+        policy.record_step(32, 0, 0.050, 32)
+        policy.record_drafting(32, 1, 0.030)  # what the next step's drafts cost
+        policy.record_step(32, 1, 0.055, 32 * 1.7)
+        policy.record_drafting(32, 0, 0.0)
+    assert policy.choose(32) == 0  # 1.7 / 0.085 < 1 / 0.050, though 1.7 / 0.055 > 1 / 0.080
+
+
+def test_longer_drafts_are_tried_only_while_drafting_pays():
+    policy = SpecPolicy(max_drafts=3, explore_every=10**9)
+    _feed(policy, 32, {0: 0.05, 1: 0.09}, {0: 1, 1: 1.7})  # one draft loses
+    assert [policy.choose(32) for _ in range(5)] == [0] * 5  # k = 2 and 3 are never tried
