@@ -17,6 +17,7 @@ import logging
 import signal
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
@@ -65,22 +66,52 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
                    help="cache rows kept for demoting evicted blocks to the host tier (0: no demotion)")
 
 
-def host_settings(kvstore: str | None, worker_id: str, write_through: str) -> HostSettings | None:
-    """The host-tier settings of a worker started with ``--kvstore`` (None without)."""
-    if kvstore is None:
-        return None
-    return HostSettings(kvstore, worker_id, write_through=write_through == "on")
+@dataclass(frozen=True)
+class WorkerConfig:
+    """The flags every worker takes (`add_common_args`); prefill and decode add their own."""
 
+    model: str
+    worker_id: str
+    host: str = "127.0.0.1"
+    port: int = 0
+    transfer: str = "auto"
+    metrics_port: int | None = None
+    kv_cache_bytes: int | None = None
+    kvstore: str | None = None  # host:port: publish block events to its index, use its host tier
+    revision: str | None = None  # explicit model revision for the prefix-cache key
+    host_write_through: str = "on"
+    host_staging_blocks: int = DEFAULT_STAGING_BLOCKS
+    check_integrity: bool = False
 
-def engine_options(kv_cache_bytes: int | None, kvstore: str | None, staging_blocks: int,
-                   check_integrity: bool = False) -> dict[str, int | bool]:
-    """Engine config fields from the common worker flags."""
-    options: dict[str, int | bool] = {} if kv_cache_bytes is None else {"kv_cache_bytes": kv_cache_bytes}
-    if check_integrity:
-        options["check_integrity"] = True
-    if kvstore is not None:
-        options["host_staging_blocks"] = staging_blocks
-    return options
+    def __post_init__(self) -> None:
+        check_port("port", self.port)
+        check_port("metrics_port", self.metrics_port)
+        check_kvstore(self.kvstore)
+        if not self.worker_id:
+            raise ValueError("worker_id: must not be empty")
+        if self.host_write_through not in ("on", "off"):
+            raise ValueError(f"host_write_through: must be 'on' or 'off', got {self.host_write_through!r}")
+        if self.host_staging_blocks < 0:
+            raise ValueError(f"host_staging_blocks: must be >= 0, got {self.host_staging_blocks}")
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
+            raise ValueError(f"kv_cache_bytes: must be > 0, got {self.kv_cache_bytes}")
+
+    def engine_config(self) -> dict[str, int | bool]:
+        """Engine config fields from the worker flags."""
+        options: dict[str, int | bool] = {}
+        if self.kv_cache_bytes is not None:
+            options["kv_cache_bytes"] = self.kv_cache_bytes
+        if self.check_integrity:
+            options["check_integrity"] = True
+        if self.kvstore is not None:
+            options["host_staging_blocks"] = self.host_staging_blocks
+        return options
+
+    def host_settings(self) -> HostSettings | None:
+        """How the worker uses the kvstore's host tier (None without ``--kvstore``)."""
+        if self.kvstore is None:
+            return None
+        return HostSettings(self.kvstore, self.worker_id, write_through=self.host_write_through == "on")
 
 
 def check_port(field: str, value: int | None) -> None:
@@ -132,10 +163,17 @@ def start_block_events(kvstore: str | None, worker_id: str) -> KVEventPublisher 
     return publisher
 
 
-def expose_block_events(publisher: KVEventPublisher | None, registry: CollectorRegistry | None) -> None:
-    """Serve the publisher's state on the worker's metrics endpoint."""
+async def serve_worker(config: WorkerConfig, worker: Worker, add_servicer: Callable[[grpc.aio.Server], None],
+                       registry: CollectorRegistry | None, publisher: KVEventPublisher | None, name: str) -> int:
+    """`run_worker` with the worker's block-event publisher on its metrics, closed on exit."""
     if publisher is not None and registry is not None:
         registry.register(PublisherCollector(publisher))
+    try:
+        return await run_worker(worker, add_servicer, host=config.host, port=config.port, registry=registry,
+                                metrics_port=config.metrics_port, name=name)
+    finally:
+        if publisher is not None:
+            await asyncio.to_thread(publisher.close)
 
 
 def setup_logging() -> None:

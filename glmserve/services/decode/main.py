@@ -26,51 +26,24 @@ from glmserve.services.decode.servicer import DecodeServicer
 from glmserve.services.decode.worker import DecodeSettings, DecodeWorker
 from glmserve.services.worker_metrics import WorkerMetrics
 from glmserve.services.worker_server import (
-    DEFAULT_STAGING_BLOCKS,
     DEFAULT_TRANSFER_TIMEOUT_S,
+    WorkerConfig,
     add_common_args,
     build_backend,
     build_engine,
-    check_kvstore,
-    check_port,
-    engine_options,
-    expose_block_events,
-    host_settings,
-    run_worker,
+    serve_worker,
     setup_logging,
     start_block_events,
 )
 
 
 @dataclass(frozen=True)
-class DecodeConfig:
-    model: str
-    worker_id: str
-    host: str = "127.0.0.1"
-    port: int = 0
-    transfer: str = "auto"
-    metrics_port: int | None = None
-    kv_cache_bytes: int | None = None
-    kvstore: str | None = None  # host:port: publish block events to its index, use its host tier
-    revision: str | None = None  # explicit model revision for the prefix-cache key
-    host_write_through: str = "on"
-    host_staging_blocks: int = DEFAULT_STAGING_BLOCKS
-    check_integrity: bool = False
+class DecodeConfig(WorkerConfig):
     prefill_timeout_s: float = 60.0
     checksum: bool = False
 
     def __post_init__(self) -> None:
-        check_port("port", self.port)
-        check_port("metrics_port", self.metrics_port)
-        check_kvstore(self.kvstore)
-        if not self.worker_id:
-            raise ValueError("worker_id: must not be empty")
-        if self.host_write_through not in ("on", "off"):
-            raise ValueError(f"host_write_through: must be 'on' or 'off', got {self.host_write_through!r}")
-        if self.host_staging_blocks < 0:
-            raise ValueError(f"host_staging_blocks: must be >= 0, got {self.host_staging_blocks}")
-        if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
-            raise ValueError(f"kv_cache_bytes: must be > 0, got {self.kv_cache_bytes}")
+        super().__post_init__()
         if self.prefill_timeout_s <= 0:
             raise ValueError(f"prefill_timeout_s: must be > 0, got {self.prefill_timeout_s}")
 
@@ -83,9 +56,6 @@ class DecodeConfig:
         p.add_argument("--checksum", action="store_true", help="verify a checksum of every transfer")
         return cls(**vars(p.parse_args(argv)))
 
-    def engine_config(self) -> dict[str, int | bool]:
-        return engine_options(self.kv_cache_bytes, self.kvstore, self.host_staging_blocks, self.check_integrity)
-
 
 async def serve(config: DecodeConfig) -> int:
     publisher = start_block_events(config.kvstore, config.worker_id)
@@ -97,23 +67,12 @@ async def serve(config: DecodeConfig) -> int:
         GrpcPrefillClient(),
         DecodeSettings(prefill_timeout_s=config.prefill_timeout_s, checksum=config.checksum),
         metrics=lambda engine: WorkerMetrics("decode", config.worker_id, lambda: engine.snapshot),
-        host=host_settings(config.kvstore, config.worker_id, config.host_write_through),
+        host=config.host_settings(),
     )
     servicer = DecodeServicer(worker, config.worker_id)
-    expose_block_events(publisher, worker.metrics.registry if worker.metrics is not None else None)
-    try:
-        return await run_worker(
-            worker,
-            lambda server: pb_grpc.add_DecodeServicer_to_server(servicer, server),
-            host=config.host,
-            port=config.port,
-            registry=worker.metrics.registry if worker.metrics is not None else None,
-            metrics_port=config.metrics_port,
-            name=f"decode worker {config.worker_id} ({backend.kind} transfer)",
-        )
-    finally:
-        if publisher is not None:
-            await asyncio.to_thread(publisher.close)
+    return await serve_worker(config, worker, lambda server: pb_grpc.add_DecodeServicer_to_server(servicer, server),
+                              worker.metrics.registry if worker.metrics is not None else None, publisher,
+                              f"decode worker {config.worker_id} ({backend.kind} transfer)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
