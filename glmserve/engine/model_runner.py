@@ -75,9 +75,18 @@ class ModelRunner:
         topk_in: list[torch.Tensor] | None = None,
     ) -> MtpResult:
         """MTP over positions starts[i] .. starts[i] + len(next_tokens[i]) - 1 of each request: the
-        inputs are the hidden state at each position and the token after it."""
-        batch = self._batch(next_tokens, starts, reqs)
-        out, topk = self.model.mtp_step(self.model.context(batch, self.cache), torch.cat(hidden), topk_in)
-        ends = torch.tensor([len(t) for t in next_tokens]).cumsum(0) - 1
-        last = out[ends]
-        return MtpResult(last, self.model.mtp_logits(last).float(), [k[-1:] for k in topk])
+        inputs are the hidden state at each position and the token after it.
+
+        Only each request's last position needs an output (the next draft); the earlier ones only
+        need their KV stored, which costs a fraction of the whole layer."""
+        lasts = [len(t) - 1 for t in next_tokens]
+        if any(lasts):
+            keep = [i for i, n in enumerate(lasts) if n]
+            kv_batch = self._batch([next_tokens[i][:-1] for i in keep], [starts[i] for i in keep],
+                                   [reqs[i] for i in keep])
+            kv_hidden = torch.cat([hidden[i][:-1] for i in keep])
+            self.model.mtp_step_kv(self.model.context(kv_batch, self.cache), kv_hidden)
+        batch = self._batch([t[-1:] for t in next_tokens], [s + n for s, n in zip(starts, lasts, strict=True)], reqs)
+        last_hidden = torch.cat([h[-1:] for h in hidden])
+        out, topk = self.model.mtp_step(self.model.context(batch, self.cache), last_hidden, topk_in)
+        return MtpResult(out, self.model.mtp_logits(out).float(), topk)

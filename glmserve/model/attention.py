@@ -52,25 +52,17 @@ class MLAttention(nn.Module):
         layer's own indexer selects.
         """
         n = x.shape[0]
+        if self.indexer is None and topk_in is None:
+            raise ValueError(f"layer {self.layer_idx}: a shared-indexer layer needs the top-k of a full layer")
         q_resid = self.q_a_layernorm(self.q_a_proj(x))
         q = self.q_b_proj(q_resid).view(n, self.heads, -1)
         q_nope, q_rot = q.split([self.nope_dim, self.rope_dim], dim=-1)
         q_rot = apply_rope(q_rot, ctx.cos, ctx.sin)
-        latent, k_rot = self.kv_a_proj_with_mqa(x).split([self.latent_dim, self.rope_dim], dim=-1)
-        new_kv = torch.cat([self.kv_a_layernorm(latent), apply_rope(k_rot, ctx.cos, ctx.sin)], dim=-1)
-        if ctx.cache is not None:
-            ctx.cache.write(ctx.cache.latent_view(self.layer_idx), ctx.batch.slots, new_kv)
+        new_kv, new_keys = self.write_kv(x, ctx)
         index = None
-        if self.indexer is not None:
+        if self.indexer is not None and topk_in is None:
             # The indexer learns only from its own distillation loss (DSA), never from the LM loss.
-            x_ix, q_resid_ix = x.detach(), q_resid.detach()
-            new_keys = self.indexer.keys(x_ix, ctx.cos, ctx.sin)
-            if ctx.cache is not None:
-                ctx.cache.write(ctx.cache.index_key_view(self.layer_idx), ctx.batch.slots, new_keys)
-            if topk_in is None:
-                index = (*self.indexer.queries(q_resid_ix, x_ix, ctx.cos, ctx.sin), new_keys)
-        elif topk_in is None:
-            raise ValueError(f"layer {self.layer_idx}: a shared-indexer layer needs the top-k of a full layer")
+            index = (*self.indexer.queries(q_resid.detach(), x.detach(), ctx.cos, ctx.sin), new_keys)
 
         out = x.new_empty(n, self.heads * self.v_dim)
         topks: list[torch.Tensor] = [None] * len(ctx.batch.seqs)  # type: ignore[list-item]
@@ -90,6 +82,20 @@ class MLAttention(nn.Module):
                 seq_topk = None if topk_in is None else topk_in[i]
                 out[sl], topks[i] = self._attend_sequence(ctx, seq, q_nope[sl], q_rot[sl], new_kv, seq_index, seq_topk)
         return self.o_proj(out), topks
+
+    def write_kv(self, x: torch.Tensor, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """KV of the batch's tokens (latent + rotated rope key, and indexer keys when this layer has an
+        indexer), stored in the cache when there is one. Enough for tokens no query is asked of."""
+        latent, k_rot = self.kv_a_proj_with_mqa(x).split([self.latent_dim, self.rope_dim], dim=-1)
+        new_kv = torch.cat([self.kv_a_layernorm(latent), apply_rope(k_rot, ctx.cos, ctx.sin)], dim=-1)
+        if ctx.cache is not None:
+            ctx.cache.write(ctx.cache.latent_view(self.layer_idx), ctx.batch.slots, new_kv)
+        if self.indexer is None:
+            return new_kv, None
+        new_keys = self.indexer.keys(x.detach(), ctx.cos, ctx.sin)
+        if ctx.cache is not None:
+            ctx.cache.write(ctx.cache.index_key_view(self.layer_idx), ctx.batch.slots, new_keys)
+        return new_kv, new_keys
 
     def _decode_groups(self, ctx: ForwardContext) -> list[DecodeGroup]:
         """Groups of short-query sequences for the batched absorbed kernel ([] when it does not apply)."""

@@ -28,3 +28,7 @@ class DecoderLayer(nn.Module):
         hidden = hidden + attn_out
         hidden = hidden + self.mlp(self.post_attention_layernorm(hidden))
         return hidden, topk
+
+    def write_kv(self, hidden: torch.Tensor, ctx: ForwardContext) -> None:
+        """Only store the KV of the batch's tokens (what later queries attend to); no output."""
+        self.self_attn.write_kv(self.input_layernorm(hidden), ctx)

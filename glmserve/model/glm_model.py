@@ -115,6 +115,10 @@ class GlmForCausalLM(nn.Module):
         of `prev_hidden` (the main model's normed hidden state, or the previous step's MTP output)."""
         return self.mtp.step(self.model.embed_tokens(ctx.batch.input_ids), prev_hidden, ctx, topk_in)
 
+    def mtp_step_kv(self, ctx: ForwardContext, prev_hidden: torch.Tensor) -> None:
+        """Store the MTP layer's KV at `ctx.batch.positions` (inputs as in `mtp_step`), no outputs."""
+        self.mtp.step_kv(self.model.embed_tokens(ctx.batch.input_ids), prev_hidden, ctx)
+
     def mtp_logits(self, mtp_hidden: torch.Tensor) -> torch.Tensor:
         head = self.mtp.shared_head
         normed = head.norm(mtp_hidden)

@@ -40,5 +40,12 @@ class MtpLayer(DecoderLayer):
         topk_in: list[torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """One draft step: the layer's output hidden state [N, hidden] and the top-k it used."""
-        fused = self.eh_proj(torch.cat([self.enorm(token_embeds), self.hnorm(prev_hidden)], dim=-1))
-        return self.forward(fused, ctx, topk_in)
+        return self.forward(self._fuse(token_embeds, prev_hidden), ctx, topk_in)
+
+    def step_kv(self, token_embeds: torch.Tensor, prev_hidden: torch.Tensor, ctx: ForwardContext) -> None:
+        """The layer's KV at these positions, without outputs: positions whose draft nobody needs
+        (all but the last of a prompt chunk or of caught-up decode steps) only have to be attendable."""
+        self.write_kv(self._fuse(token_embeds, prev_hidden), ctx)
+
+    def _fuse(self, token_embeds: torch.Tensor, prev_hidden: torch.Tensor) -> torch.Tensor:
+        return self.eh_proj(torch.cat([self.enorm(token_embeds), self.hnorm(prev_hidden)], dim=-1))

@@ -107,6 +107,26 @@ def test_mtp_decode_steps_over_the_cache_match(setup):
         assert (got[0] - expected[t]).abs().max().item() <= TOL
 
 
+@torch.no_grad()
+def test_mtp_kv_only_positions_then_one_query_match(setup):
+    """Storing only the MTP KV of a prompt's positions (`mtp_step_kv`, no attention or MLP for them)
+    leaves the cache as a full pass would: a query after them gets the reference logits."""
+    ref, ours, raw = setup
+    ids = torch.randint(2, 320, (150,), generator=torch.Generator().manual_seed(7)).tolist()
+    expected = _reference_mtp(ref, ours, raw, ids)
+    layout = KVLayout.for_config(ours.config, 16, torch.float32, with_mtp=True)
+    cache = PagedKVCache(layout, num_blocks=10)
+    table = [list(range(9, -1, -1))]
+    batch = ForwardBatch.build([ids[:-1]], [0], table, 16)
+    normed = ours.final_norm(ours(ours.context(batch, cache))[0])
+    n0 = 140
+    ours.mtp_step_kv(ours.context(ForwardBatch.build([ids[1 : n0 + 1]], [0], table, 16), cache), normed[:n0])
+    for t in range(n0, len(ids) - 1):
+        step = ForwardBatch.build([[ids[t + 1]]], [t], table, 16)
+        got = ours.mtp_logits(ours.mtp_step(ours.context(step, cache), normed[t : t + 1])[0])
+        assert (got[0] - expected[t]).abs().max().item() <= TOL
+
+
 def _draft(ours, ids, steps, share):
     import dataclasses
 
