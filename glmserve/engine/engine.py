@@ -254,10 +254,11 @@ class Engine:
         draft_counts = {len(w.request.drafts) for w in work if w.is_decode}
         pure_decode = all(w.is_decode for w in work) and len(draft_counts) == 1
         main = self.runner.run_main(work)
+        verified = self._verify(work, main.logits)
         outputs, to_draft, gained = [], [], 0
         for i, w in enumerate(work):
             req, start, was_decode = w.request, w.request.num_computed, w.is_decode
-            new_tokens = self._advance(w, main.logits[i], was_decode)
+            new_tokens = self._advance(w, main.logits[i], verified.get(i))
             gained += len(new_tokens)
             if not was_decode and main.logits[i] is not None:
                 req.last_hidden = main.hidden[i][-1].clone()
@@ -279,10 +280,28 @@ class Engine:
             self.pool.check_integrity()
         return outputs
 
-    def _advance(self, w: ScheduledWork, logits: torch.Tensor | None, was_decode: bool) -> list[int]:
-        """Move the request past this step's forward; returns the tokens it gained."""
+    def _verify(self, work: list[ScheduledWork], logits: list[torch.Tensor | None]) -> dict[int, list[int]]:
+        """Tokens each decode item gains (accepted drafts + one), verified in one batch per draft
+        length: one argmax and one transfer to Python for the whole batch instead of per request."""
+        groups: dict[tuple[int, bool], list[int]] = {}
+        for i, w in enumerate(work):
+            if w.is_decode:
+                groups.setdefault((len(w.request.drafts), w.request.draft_probs is not None), []).append(i)
+        out: dict[int, list[int]] = {}
+        for (k, has_probs), items in groups.items():
+            reqs = [work[i].request for i in items]
+            drafts = torch.tensor([r.drafts for r in reqs], dtype=torch.int64).view(len(reqs), k)
+            probs = torch.stack([r.draft_probs for r in reqs]) if has_probs else None
+            result = verify(drafts, probs, torch.stack([logits[i] for i in items]),
+                            [r.params for r in reqs], [r.generator for r in reqs])
+            out.update(zip(items, result.accepted, strict=True))
+        return out
+
+    def _advance(self, w: ScheduledWork, logits: torch.Tensor | None, verified: list[int] | None) -> list[int]:
+        """Move the request past this step's forward; returns the tokens it gained (`verified`: what
+        verification gave a decode item)."""
         req = w.request
-        if not was_decode:
+        if verified is None:
             req.num_computed += w.num_new
             self.stats.prompt_tokens += w.num_new
             if logits is None:
@@ -290,13 +309,7 @@ class Engine:
             self.stats.cached_prompt_tokens += req.num_cached_prompt
             sample = self.sampler.sample(logits, [req.params], [req.generator])
             return [int(sample.token_ids[0])]
-        drafts = req.drafts
-        probs = None if req.draft_probs is None else req.draft_probs.unsqueeze(0)
-        result = verify(
-            torch.tensor([drafts], dtype=torch.int64).view(1, len(drafts)), probs, logits.unsqueeze(0),
-            [req.params], [req.generator],
-        )
-        tokens = list(result.accepted[0])
+        drafts, tokens = req.drafts, verified
         req.num_computed += len(tokens)  # the pending token and the accepted drafts now have KV
         req.drafts, req.draft_probs = [], None
         if drafts:
