@@ -7,8 +7,10 @@ A step's forward verifies the drafts chosen one step earlier, while its drafting
 step, so the two are recorded under their own k. It picks the k with the most tokens per second
 (k > 0 only when it beats k = 0 by a margin). Everything the engine spends on speculation is in the
 measured times, so when speculation does not pay (large batches, low acceptance) k = 0 wins. A
-bucket tries k + 1 only once k has beaten every shorter choice. Every `explore_every` steps it
-re-measures a neighbour of the best k, since load and acceptance drift.
+bucket tries k + 1 only once k has beaten every shorter choice. Now and then it re-measures a
+neighbour of the best k, since load and acceptance drift: first after `explore_every` steps in the
+bucket, and each time that leaves the best k unchanged the wait doubles (up to `MAX_EXPLORE_EVERY`),
+so a bucket where speculation keeps losing (large batches) rarely pays for trying it again.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ SMOOTHING = 0.2  # weight of a new observation in the running averages
 # Speculation must beat k = 0 by this fraction: step times are noisy, and a tie is a loss once the
 # cost of exploring is counted.
 MARGIN = 0.03
+MAX_EXPLORE_EVERY = 512
 
 
 class RunningMean:
@@ -37,7 +40,8 @@ class SpecPolicy:
         self.draft_seconds: dict[tuple[int, int], RunningMean] = {}
         self.tokens_per_step: dict[int, RunningMean] = {0: RunningMean()}
         self.tokens_per_step[0].add(1.0)
-        self._steps = 0
+        # bucket -> (steps left until it explores, current wait, best k when the wait was set)
+        self._explore: dict[int, tuple[int, int, int]] = {}
 
     @staticmethod
     def bucket(batch_size: int) -> int:
@@ -70,7 +74,6 @@ class SpecPolicy:
         """Drafts per request for the next step of a batch of `batch_size` decoding requests."""
         if self.max_drafts == 0 or batch_size == 0:
             return 0
-        self._steps += 1
         b = self.bucket(batch_size)
         rates: dict[int, float] = {}
         for k in range(self.max_drafts + 1):
@@ -85,6 +88,18 @@ class SpecPolicy:
         best = max(rates, key=rates.__getitem__)
         if rates[best] < rates[0] * (1 + MARGIN):
             best = 0
-        if self._steps % self.explore_every == 0:
+        if self._explore_due(b, best):
             return min(best + 1, self.max_drafts) if best < self.max_drafts else best - 1
         return best
+
+    def _explore_due(self, bucket: int, best: int) -> bool:
+        left, wait, best_then = self._explore.get(bucket, (self.explore_every, self.explore_every, best))
+        if best != best_then:  # the last exploration (or drift) changed the choice: look again soon
+            wait = self.explore_every
+            left = min(left, wait)
+        if left > 1:
+            self._explore[bucket] = (left - 1, wait, best)
+            return False
+        wait = min(2 * wait, MAX_EXPLORE_EVERY)
+        self._explore[bucket] = (wait, wait, best)
+        return True

@@ -37,11 +37,22 @@ def test_stops_speculating_when_it_does_not_pay():
     assert policy.choose(1) == 2 and policy.choose(32) == 0  # buckets are separate
 
 
-def test_explores_a_neighbour_now_and_then():
+def test_explores_a_neighbour_less_often_while_the_best_choice_holds():
     policy = SpecPolicy(max_drafts=3, explore_every=4)
     _feed(policy, 32, {0: 0.05, 1: 0.09, 2: 0.13, 3: 0.17}, {0: 1, 1: 1.7, 2: 2.0, 3: 2.1})
-    picks = [policy.choose(32) for _ in range(8)]
-    assert picks.count(0) == 6 and picks.count(1) == 2
+    picks = [policy.choose(32) for _ in range(60)]
+    assert [i + 1 for i, k in enumerate(picks) if k] == [4, 12, 28, 60]  # waits 4, 8, 16, 32
+    assert set(picks) == {0, 1}
+
+
+def test_a_new_best_choice_resets_the_wait():
+    policy = SpecPolicy(max_drafts=1, explore_every=4)
+    _feed(policy, 8, {0: 0.010, 1: 0.030}, {0: 1, 1: 1.7})
+    picks = [policy.choose(8) for _ in range(12)]
+    assert [i + 1 for i, k in enumerate(picks) if k] == [4, 12]
+    _feed(policy, 8, {0: 0.010, 1: 0.011}, {0: 1, 1: 1.7}, rounds=30)  # now one draft pays
+    picks = [policy.choose(8) for _ in range(8)]
+    assert [i + 1 for i, k in enumerate(picks) if not k] == [4]  # explores after 4 steps again
 
 
 def test_a_marginal_gain_does_not_turn_speculation_on():
