@@ -384,7 +384,10 @@ class Engine:
         drafts keep their hidden rows pending instead, and the next drafting step runs them all, so
         switching speculation off and on leaves no hole in the MTP layer's KV."""
         decoding = [r for r, _, _, _ in items if not r.in_prefill and not r.is_finished]
-        k = self.fixed_drafts if self.fixed_drafts is not None else self.policy.choose(len(decoding))
+        k = self.fixed_drafts
+        if k is None:  # only pure decode steps are measured: no exploring while prompts still run
+            steady = not self.scheduler.num_waiting and not any(r.in_prefill for r in self.scheduler.running)
+            k = self.policy.choose(len(decoding), measurable=steady)
         reqs, starts, hidden, next_tokens = [], [], [], []
         for req, start, rows, was_decode in items:
             if was_decode and k == 0:

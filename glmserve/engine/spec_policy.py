@@ -96,11 +96,17 @@ class SpecPolicy:
         step = self.step_seconds[(bucket, k)].last_step
         return min(step, self.draft_seconds[(bucket, k)].last_step) if k else step
 
-    def choose(self, batch_size: int) -> int:
-        """Drafts per request for the next step of a batch of `batch_size` decoding requests."""
+    def choose(self, batch_size: int, measurable: bool = True) -> int:
+        """Drafts per request for the next step of a batch of `batch_size` decoding requests.
+
+        `measurable` False: the next step will not be recorded (prompts are still being prefilled
+        alongside), so nothing is explored in it; it gets the settled choice of this batch size or
+        of the nearest one measured, else k = 0."""
         if self.max_drafts == 0 or batch_size == 0:
             return 0
         b = self.bucket(batch_size)
+        if not measurable:
+            return self._settled(b)
         if b in self._probes:
             return self._continue_probe(b)
         rates: dict[int, float] = {}
@@ -127,6 +133,12 @@ class SpecPolicy:
                 return self._start_probe(b, 0)
             return self._start_probe(b, min((k for k in rates if k != best), key=lambda k: self._age(b, k)))
         return best
+
+    def _settled(self, bucket: int) -> int:
+        if not self._current:
+            return 0
+        nearest = min(self._current, key=lambda x: (abs(x - bucket), -x))  # ties: the larger batch
+        return self._current[nearest]
 
     def _start_probe(self, bucket: int, k: int) -> int:
         """Run k for PROBE_STEPS steps: most of its window is then fresh."""

@@ -101,3 +101,14 @@ def test_longer_drafts_are_tried_only_while_drafting_pays():
     policy = SpecPolicy(max_drafts=3, explore_every=10**9)
     _feed(policy, 32, {0: 0.05, 1: 0.09}, {0: 1, 1: 1.7})  # one draft loses
     assert [policy.choose(32) for _ in range(5)] == [0] * 5  # k = 2 and 3 are never tried
+
+
+def test_steps_that_will_not_be_measured_get_a_settled_choice_and_no_probe():
+    policy = SpecPolicy(max_drafts=2, explore_every=4)
+    assert policy.choose(32, measurable=False) == 0  # nothing known yet
+    _feed(policy, 2, {0: 0.010, 1: 0.011, 2: 0.030}, {0: 1, 1: 1.7, 2: 2.0})
+    assert policy.choose(2) == 1
+    assert policy.choose(3, measurable=False) == 1  # same bucket
+    assert policy.choose(8, measurable=False) == 1  # nearest measured bucket
+    assert [policy.choose(32, measurable=False) for _ in range(20)] == [1] * 20  # never probes
+    assert policy.choose(32) == 0  # a measurable step starts measuring the new bucket
