@@ -114,14 +114,12 @@ class SpecPolicy:
             rate = self._rate(b, k)
             if rate is None:
                 # Measure k only while each longer draft has paid so far: a k that loses to k - 1
-                # is not worth one more costly step to learn that k + 1 loses too.
-                if not rates or max(rates, key=rates.__getitem__) == k - 1:
+                # is not worth one more costly probe to learn that k + 1 loses too.
+                if not rates or self._best(rates) == k - 1:
                     return self._start_probe(b, k)
                 break
             rates[k] = rate
-        best = max(rates, key=rates.__getitem__)
-        if rates[best] < rates[0] * (1 + MARGIN):
-            best = 0
+        best = self._best(rates)
         probed, self._probed = self._probed.pop(b, None), self._probed
         if best != self._current.get(b, best) and best != probed:
             return self._start_probe(b, best)  # switch only on fresh numbers, not on stale ones
@@ -133,6 +131,12 @@ class SpecPolicy:
                 return self._start_probe(b, 0)
             return self._start_probe(b, min((k for k in rates if k != best), key=lambda k: self._age(b, k)))
         return best
+
+    @staticmethod
+    def _best(rates: dict[int, float]) -> int:
+        """The fastest k; k = 0 unless speculation beats it by MARGIN."""
+        best = max(rates, key=rates.__getitem__)
+        return best if rates[best] >= rates[0] * (1 + MARGIN) else 0
 
     def _settled(self, bucket: int) -> int:
         if not self._current:

@@ -112,3 +112,9 @@ def test_steps_that_will_not_be_measured_get_a_settled_choice_and_no_probe():
     assert policy.choose(8, measurable=False) == 1  # nearest measured bucket
     assert [policy.choose(32, measurable=False) for _ in range(20)] == [1] * 20  # never probes
     assert policy.choose(32) == 0  # a measurable step starts measuring the new bucket
+
+
+def test_a_draft_length_that_only_ties_is_not_extended():
+    policy = SpecPolicy(max_drafts=3, explore_every=10**9)
+    _feed(policy, 32, {0: 0.05, 1: 0.05 * 1.7 / 1.02}, {0: 1, 1: 1.7})  # k = 1 is 2% faster: a tie
+    assert [policy.choose(32) for _ in range(5)] == [0] * 5  # k = 2 is never probed
