@@ -12,6 +12,9 @@ from glmserve.model.forward_batch import ForwardBatch
 from glmserve.model.glm_model import GlmForCausalLM
 from glmserve.model.paged_cache import PagedKVCache
 
+# Items with more MTP positions than this store the KV of all but the last without running the layer.
+KV_ONLY_MIN_POSITIONS = 8
+
 
 @dataclass
 class MainResult:
@@ -77,16 +80,19 @@ class ModelRunner:
         """MTP over positions starts[i] .. starts[i] + len(next_tokens[i]) - 1 of each request: the
         inputs are the hidden state at each position and the token after it.
 
-        Only each request's last position needs an output (the next draft); the earlier ones only
-        need their KV stored, which costs a fraction of the whole layer."""
-        lasts = [len(t) - 1 for t in next_tokens]
-        if any(lasts):
-            keep = [i for i, n in enumerate(lasts) if n]
-            kv_batch = self._batch([next_tokens[i][:-1] for i in keep], [starts[i] for i in keep],
+        Only each request's last position needs an output (the next draft). For items with many
+        positions (prompt chunks, caught-up decode steps) the others only get their KV stored, which
+        costs a fraction of the whole layer; a few positions go through the layer in one pass."""
+        kv_rows = [len(t) - 1 if len(t) > KV_ONLY_MIN_POSITIONS else 0 for t in next_tokens]
+        if any(kv_rows):
+            keep = [i for i, n in enumerate(kv_rows) if n]
+            kv_batch = self._batch([next_tokens[i][: kv_rows[i]] for i in keep], [starts[i] for i in keep],
                                    [reqs[i] for i in keep])
-            kv_hidden = torch.cat([hidden[i][:-1] for i in keep])
+            kv_hidden = torch.cat([hidden[i][: kv_rows[i]] for i in keep])
             self.model.mtp_step_kv(self.model.context(kv_batch, self.cache), kv_hidden)
-        batch = self._batch([t[-1:] for t in next_tokens], [s + n for s, n in zip(starts, lasts, strict=True)], reqs)
-        last_hidden = torch.cat([h[-1:] for h in hidden])
-        out, topk = self.model.mtp_step(self.model.context(batch, self.cache), last_hidden, topk_in)
-        return MtpResult(out, self.model.mtp_logits(out).float(), topk)
+        tokens = [t[n:] for t, n in zip(next_tokens, kv_rows, strict=True)]
+        batch = self._batch(tokens, [s + n for s, n in zip(starts, kv_rows, strict=True)], reqs)
+        rows = torch.cat([h[n:] for h, n in zip(hidden, kv_rows, strict=True)])
+        out, topk = self.model.mtp_step(self.model.context(batch, self.cache), rows, topk_in)
+        last = out[torch.tensor([len(t) for t in tokens]).cumsum(0) - 1]
+        return MtpResult(last, self.model.mtp_logits(last).float(), [k[-1:] for k in topk])
