@@ -17,6 +17,7 @@ from glmserve.model.config import GlmConfig
 from glmserve.model.decode_group import DecodeGroup
 from glmserve.model.forward_batch import SequenceSlice
 from glmserve.model.forward_context import ForwardContext
+from glmserve.model.fused_linear import FusedLinear
 from glmserve.model.indexer import Indexer, causal_mask
 from glmserve.model.norms import RMSNorm
 from glmserve.model.paged_cache import PagedKVCache
@@ -42,6 +43,9 @@ class MLAttention(nn.Module):
         self.kv_b_proj = nn.Linear(self.latent_dim, self.heads * (self.nope_dim + self.v_dim), bias=False)
         self.o_proj = nn.Linear(self.heads * self.v_dim, config.hidden_size, bias=False)
         self.indexer = Indexer(config) if has_indexer else None
+        # The projections that read the layer input, run as one matmul at inference.
+        indexer_proj = [self.indexer.wk, self.indexer.weights_proj] if has_indexer else []
+        self.input_proj = FusedLinear([self.q_a_proj, self.kv_a_proj_with_mqa, *indexer_proj])
 
     def forward(
         self, x: torch.Tensor, ctx: ForwardContext, topk_in: list[torch.Tensor] | None
@@ -52,23 +56,30 @@ class MLAttention(nn.Module):
         layer's own indexer selects.
         """
         n = x.shape[0]
-        q_resid = self.q_a_layernorm(self.q_a_proj(x))
+        fused = self.input_proj(x)
+        q_a, kv_a = (self.q_a_proj(x), self.kv_a_proj_with_mqa(x)) if fused is None else fused[:2]
+        q_resid = self.q_a_layernorm(q_a)
         q = self.q_b_proj(q_resid).view(n, self.heads, -1)
         q_nope, q_rot = q.split([self.nope_dim, self.rope_dim], dim=-1)
         q_rot = apply_rope(q_rot, ctx.cos, ctx.sin)
-        latent, k_rot = self.kv_a_proj_with_mqa(x).split([self.latent_dim, self.rope_dim], dim=-1)
+        latent, k_rot = kv_a.split([self.latent_dim, self.rope_dim], dim=-1)
         new_kv = torch.cat([self.kv_a_layernorm(latent), apply_rope(k_rot, ctx.cos, ctx.sin)], dim=-1)
         if ctx.cache is not None:
-            ctx.cache.write(ctx.cache.latent_view(self.layer_idx), ctx.batch.slots, new_kv)
+            ctx.cache.write_at(ctx.cache.latent_view(self.layer_idx), ctx.cache_rows(), new_kv)
         index = None
         if self.indexer is not None:
             # The indexer learns only from its own distillation loss (DSA), never from the LM loss.
             x_ix, q_resid_ix = x.detach(), q_resid.detach()
-            new_keys = self.indexer.keys(x_ix, ctx.cos, ctx.sin)
+            if fused is None:
+                new_keys = self.indexer.keys(x_ix, ctx.cos, ctx.sin)
+            else:
+                new_keys = self.indexer.keys_from(fused[2], ctx.cos, ctx.sin)
             if ctx.cache is not None:
-                ctx.cache.write(ctx.cache.index_key_view(self.layer_idx), ctx.batch.slots, new_keys)
-            if topk_in is None:
+                ctx.cache.write_at(ctx.cache.index_key_view(self.layer_idx), ctx.cache_rows(), new_keys)
+            if topk_in is None and fused is None:
                 index = (*self.indexer.queries(q_resid_ix, x_ix, ctx.cos, ctx.sin), new_keys)
+            elif topk_in is None:
+                index = (*self.indexer.queries_from(q_resid_ix, fused[3], ctx.cos, ctx.sin), new_keys)
         elif topk_in is None:
             raise ValueError(f"layer {self.layer_idx}: a shared-indexer layer needs the top-k of a full layer")
 
@@ -108,7 +119,7 @@ class MLAttention(nn.Module):
             iq, iw, new_keys = index
             keys = self._context(ctx, seq, new_keys, self.layer_idx, "index")
             index_scores = self.indexer.scores(iq, iw, keys, positions)
-            topk = self.indexer.select(index_scores)
+            topk = self.indexer.select(index_scores, positions)
         selected = None if ctx.dense_attention else topk
         absorbed = ctx.force_absorbed if ctx.force_absorbed is not None else seq.num_new <= ABSORBED_MAX_QUERIES
         attend = self._attend_absorbed if absorbed else self._attend_expanded
@@ -131,7 +142,7 @@ class MLAttention(nn.Module):
         else:
             selected = self._group_select(ctx, g, index, block_size)
             valid = None
-            topks = [t[:, : min(self.indexer.index_topk, n)] for t, n in zip(selected, g.context_lens, strict=True)]
+            topks = _split_topk(selected, self.indexer.index_topk, g.context_lens)
         selected = selected.reshape(b, s, -1)
         blocks = g.block_tables.gather(1, (selected // block_size).reshape(b, -1)).view(selected.shape)
         rows = PagedKVCache.gather_rows(ctx.cache.latent_view(self.layer_idx), blocks, selected % block_size)
@@ -213,6 +224,13 @@ class MLAttention(nn.Module):
             lat_out = torch.einsum("sht,tc->shc", probs, latent)
         out = torch.einsum("shc,hvc->shv", lat_out, w_uv).reshape(q_nope.shape[0], -1)
         return out, (probs.float().sum(1) if want_probs else None)
+
+
+def _split_topk(selected: torch.Tensor, index_topk: int, context_lens: list[int]) -> list[torch.Tensor]:
+    """Each sequence's [S, min(index_topk, context)] part of a group's [B, S, K] selection."""
+    if min(index_topk, *context_lens) >= selected.shape[-1]:
+        return list(selected.unbind(0))  # nothing to cut: one op instead of one per sequence
+    return [t[:, : min(index_topk, n)] for t, n in zip(selected, context_lens, strict=True)]
 
 
 def _pad_topk(topk: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
