@@ -20,4 +20,12 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         fused = self.gate_up(x)
         gate, up = (self.gate_proj(x), self.up_proj(x)) if fused is None else fused
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_mul(gate, up))
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up; without autograd in place on `gate`, which callers pass as a temporary
+    (fresh prefill-sized temporaries cost more in page faults than in arithmetic)."""
+    if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
+        return F.silu(gate) * up
+    return F.silu(gate, inplace=True).mul_(up)

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from glmserve.model.config import GlmConfig
-from glmserve.model.mlp import GatedMLP
+from glmserve.model.mlp import GatedMLP, silu_mul
 
 
 class TopkRouter(nn.Module):
@@ -70,7 +70,7 @@ class RoutedExperts(nn.Module):
             if count == 0:
                 continue
             gate, up = F.linear(xs[start : start + count], self.gate_up_proj[expert]).chunk(2, dim=-1)
-            ys.append(F.linear(F.silu(gate) * up, self.down_proj[expert]))
+            ys.append(F.linear(silu_mul(gate, up), self.down_proj[expert]))
             start += count
         y = torch.cat(ys) * weights.reshape(-1)[order].unsqueeze(1).to(x.dtype)
         return torch.zeros_like(x).index_add_(0, token_of, y)
