@@ -87,7 +87,7 @@ class MLAttention(nn.Module):
         topks: list[torch.Tensor] = [None] * len(ctx.batch.seqs)  # type: ignore[list-item]
         grouped = set()
         for g in self._decode_groups(ctx):
-            rows = g.token_idx
+            rows = g.token_rows
             g_index = None if index is None else (index[0][rows], index[1][rows])
             g_topk_in = None if topk_in is None else [topk_in[i] for i in g.seq_ids]
             out[rows], g_topks = self._attend_group(ctx, g, q_nope[rows], q_rot[rows], g_index, g_topk_in)

@@ -23,6 +23,9 @@ class DecodeGroup:
     positions: torch.Tensor  # [B, S] position of each query
     block_tables: torch.Tensor  # [B, W] block ids, padded with block 0
     context_lens: list[int]  # per sequence: cached + new tokens
+    # token_idx as a slice when the group's tokens are one run of the flat batch (a decode-only step):
+    # indexing with it makes views instead of copies.
+    token_rows: slice | torch.Tensor
 
     @property
     def num_seqs(self) -> int:
@@ -53,5 +56,7 @@ def _group(batch: ForwardBatch, seq_ids: list[int], block_size: int) -> DecodeGr
         n = (s.context_len + block_size - 1) // block_size
         tables[row, :n] = s.block_table[:n]
     token_idx = torch.cat([torch.arange(s.start, s.end) for s in seqs])
-    positions = batch.positions[token_idx].view(len(seqs), -1)
-    return DecodeGroup(seq_ids, token_idx, positions, tables, [s.context_len for s in seqs])
+    one_run = all(a.end == b.start for a, b in zip(seqs, seqs[1:], strict=False))
+    token_rows = slice(seqs[0].start, seqs[-1].end) if one_run else token_idx
+    positions = batch.positions[token_rows].view(len(seqs), -1)
+    return DecodeGroup(seq_ids, token_idx, positions, tables, [s.context_len for s in seqs], token_rows)
