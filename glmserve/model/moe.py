@@ -62,7 +62,7 @@ class RoutedExperts(nn.Module):
         token_of = order // k
         counts = torch.bincount(flat_experts, minlength=self.gate_up_proj.shape[0]).tolist()
         # Token rows are gathered, weighted and scattered back once for all experts; the loop only runs
-        # each expert's two matmuls (on small batches the per-op overhead is most of the MoE's time).
+        # each expert's two matmuls (on small batches per-op overhead is much of the MoE's time).
         xs = x.index_select(0, token_of)
         ys = []
         start = 0
@@ -72,7 +72,7 @@ class RoutedExperts(nn.Module):
             gate, up = F.linear(xs[start : start + count], self.gate_up_proj[expert]).chunk(2, dim=-1)
             ys.append(F.linear(silu_mul(gate, up), self.down_proj[expert]))
             start += count
-        y = torch.cat(ys) * weights.reshape(-1)[order].unsqueeze(1).to(x.dtype)
+        y = (torch.cat(ys) * weights.reshape(-1)[order].unsqueeze(1)).to(x.dtype)  # weights are fp32
         return torch.zeros_like(x).index_add_(0, token_of, y)
 
 
