@@ -89,7 +89,8 @@ class Indexer(nn.Module):
 
 def _top_k(flat: torch.Tensor, k: int) -> torch.Tensor:
     """[R, k] ascending positions of each row's k best scores, ties towards earlier positions."""
-    cut = flat.topk(k, dim=-1).values[:, -1:]
+    # The k-th largest score by selection, not sorting: the same value, several times faster on CPU.
+    cut = flat.kthvalue(flat.shape[-1] - k + 1, dim=-1, keepdim=True).values
     above = flat > cut
     tied = flat == cut
     room = k - above.sum(-1, keepdim=True)
