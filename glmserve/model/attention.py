@@ -17,6 +17,7 @@ from glmserve.model.config import GlmConfig
 from glmserve.model.decode_group import DecodeGroup
 from glmserve.model.forward_batch import SequenceSlice
 from glmserve.model.forward_context import ForwardContext
+from glmserve.model.fused_linear import FusedLinear
 from glmserve.model.indexer import Indexer, causal_mask
 from glmserve.model.norms import RMSNorm
 from glmserve.model.paged_cache import PagedKVCache
@@ -42,6 +43,9 @@ class MLAttention(nn.Module):
         self.kv_b_proj = nn.Linear(self.latent_dim, self.heads * (self.nope_dim + self.v_dim), bias=False)
         self.o_proj = nn.Linear(self.heads * self.v_dim, config.hidden_size, bias=False)
         self.indexer = Indexer(config) if has_indexer else None
+        # The projections that read the layer input, run as one matmul at inference.
+        indexer_proj = [self.indexer.wk, self.indexer.weights_proj] if has_indexer else []
+        self.input_proj = FusedLinear([self.q_a_proj, self.kv_a_proj_with_mqa, *indexer_proj])
 
     def forward(
         self, x: torch.Tensor, ctx: ForwardContext, topk_in: list[torch.Tensor] | None
@@ -54,21 +58,27 @@ class MLAttention(nn.Module):
         n = x.shape[0]
         if self.indexer is None and topk_in is None:
             raise ValueError(f"layer {self.layer_idx}: a shared-indexer layer needs the top-k of a full layer")
-        q_resid = self.q_a_layernorm(self.q_a_proj(x))
+        fused = self.input_proj(x)
+        if fused is None:  # training or mixed dtypes: the layers one by one
+            fused = [self.q_a_proj(x), self.kv_a_proj_with_mqa(x)]
+            if self.indexer is not None:
+                # The indexer learns only from its own distillation loss (DSA), never from the LM loss.
+                x_ix = x.detach()
+                fused += [self.indexer.wk(x_ix), self.indexer.weights_proj(x_ix.to(self.indexer.weights_proj.weight.dtype))]
+        q_resid = self.q_a_layernorm(fused[0])
         q = self.q_b_proj(q_resid).view(n, self.heads, -1)
         q_nope, q_rot = q.split([self.nope_dim, self.rope_dim], dim=-1)
         q_rot = apply_rope(q_rot, ctx.cos, ctx.sin)
-        new_kv, new_keys = self.write_kv(x, ctx)
+        new_kv, new_keys = self._store_kv(fused[1], fused[2] if self.indexer is not None else None, ctx)
         index = None
         if self.indexer is not None and topk_in is None:
-            # The indexer learns only from its own distillation loss (DSA), never from the LM loss.
-            index = (*self.indexer.queries(q_resid.detach(), x.detach(), ctx.cos, ctx.sin), new_keys)
+            index = (*self.indexer.queries_from(q_resid.detach(), fused[3], ctx.cos, ctx.sin), new_keys)
 
         out = x.new_empty(n, self.heads * self.v_dim)
         topks: list[torch.Tensor] = [None] * len(ctx.batch.seqs)  # type: ignore[list-item]
         grouped = set()
         for g in self._decode_groups(ctx):
-            rows = g.token_idx
+            rows = g.token_rows
             g_index = None if index is None else (index[0][rows], index[1][rows])
             g_topk_in = None if topk_in is None else [topk_in[i] for i in g.seq_ids]
             out[rows], g_topks = self._attend_group(ctx, g, q_nope[rows], q_rot[rows], g_index, g_topk_in)
@@ -83,18 +93,23 @@ class MLAttention(nn.Module):
                 out[sl], topks[i] = self._attend_sequence(ctx, seq, q_nope[sl], q_rot[sl], new_kv, seq_index, seq_topk)
         return self.o_proj(out), topks
 
-    def write_kv(self, x: torch.Tensor, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """KV of the batch's tokens (latent + rotated rope key, and indexer keys when this layer has an
-        indexer), stored in the cache when there is one. Enough for tokens no query is asked of."""
-        latent, k_rot = self.kv_a_proj_with_mqa(x).split([self.latent_dim, self.rope_dim], dim=-1)
+    def write_kv(self, x: torch.Tensor, ctx: ForwardContext) -> None:
+        """Only store the KV of the batch's tokens (latent + rotated rope key, and indexer keys when
+        this layer has an indexer): enough for tokens no query is asked of."""
+        self._store_kv(self.kv_a_proj_with_mqa(x), None if self.indexer is None else self.indexer.wk(x.detach()), ctx)
+
+    def _store_kv(self, kv_a: torch.Tensor, index_k: torch.Tensor | None, ctx: ForwardContext):
+        """(new KV rows, new indexer keys or None) from the input's projections, stored in the cache
+        when there is one."""
+        latent, k_rot = kv_a.split([self.latent_dim, self.rope_dim], dim=-1)
         new_kv = torch.cat([self.kv_a_layernorm(latent), apply_rope(k_rot, ctx.cos, ctx.sin)], dim=-1)
         if ctx.cache is not None:
-            ctx.cache.write(ctx.cache.latent_view(self.layer_idx), ctx.batch.slots, new_kv)
-        if self.indexer is None:
+            ctx.cache.write_at(ctx.cache.latent_view(self.layer_idx), ctx.cache_rows(), new_kv)
+        if index_k is None:
             return new_kv, None
-        new_keys = self.indexer.keys(x.detach(), ctx.cos, ctx.sin)
+        new_keys = self.indexer.keys_from(index_k, ctx.cos, ctx.sin)
         if ctx.cache is not None:
-            ctx.cache.write(ctx.cache.index_key_view(self.layer_idx), ctx.batch.slots, new_keys)
+            ctx.cache.write_at(ctx.cache.index_key_view(self.layer_idx), ctx.cache_rows(), new_keys)
         return new_kv, new_keys
 
     def _decode_groups(self, ctx: ForwardContext) -> list[DecodeGroup]:
@@ -114,7 +129,7 @@ class MLAttention(nn.Module):
             iq, iw, new_keys = index
             keys = self._context(ctx, seq, new_keys, self.layer_idx, "index")
             index_scores = self.indexer.scores(iq, iw, keys, positions)
-            topk = self.indexer.select(index_scores)
+            topk = self.indexer.select(index_scores, positions)
         selected = None if ctx.dense_attention else topk
         absorbed = ctx.force_absorbed if ctx.force_absorbed is not None else seq.num_new <= ABSORBED_MAX_QUERIES
         attend = self._attend_absorbed if absorbed else self._attend_expanded
@@ -137,7 +152,7 @@ class MLAttention(nn.Module):
         else:
             selected = self._group_select(ctx, g, index, block_size)
             valid = None
-            topks = [t[:, : min(self.indexer.index_topk, n)] for t, n in zip(selected, g.context_lens, strict=True)]
+            topks = _split_topk(selected, self.indexer.index_topk, g.context_lens)
         selected = selected.reshape(b, s, -1)
         blocks = g.block_tables.gather(1, (selected // block_size).reshape(b, -1)).view(selected.shape)
         rows = PagedKVCache.gather_rows(ctx.cache.latent_view(self.layer_idx), blocks, selected % block_size)
@@ -219,6 +234,13 @@ class MLAttention(nn.Module):
             lat_out = torch.einsum("sht,tc->shc", probs, latent)
         out = torch.einsum("shc,hvc->shv", lat_out, w_uv).reshape(q_nope.shape[0], -1)
         return out, (probs.float().sum(1) if want_probs else None)
+
+
+def _split_topk(selected: torch.Tensor, index_topk: int, context_lens: list[int]) -> list[torch.Tensor]:
+    """Each sequence's [S, min(index_topk, context)] part of a group's [B, S, K] selection."""
+    if min(index_topk, *context_lens) >= selected.shape[-1]:
+        return list(selected.unbind(0))  # nothing to cut: one op instead of one per sequence
+    return [t[:, : min(index_topk, n)] for t, n in zip(selected, context_lens, strict=True)]
 
 
 def _pad_topk(topk: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -12,6 +12,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from glmserve.model.forward_batch import ForwardBatch
 
@@ -23,6 +24,9 @@ class DecodeGroup:
     positions: torch.Tensor  # [B, S] position of each query
     block_tables: torch.Tensor  # [B, W] block ids, padded with block 0
     context_lens: list[int]  # per sequence: cached + new tokens
+    # token_idx as a slice when the group's tokens are one run of the flat batch (a decode-only step):
+    # indexing with it makes views instead of copies.
+    token_rows: slice | torch.Tensor
 
     @property
     def num_seqs(self) -> int:
@@ -47,11 +51,13 @@ def decode_groups(batch: ForwardBatch, max_queries: int, block_size: int) -> lis
 
 def _group(batch: ForwardBatch, seq_ids: list[int], block_size: int) -> DecodeGroup:
     seqs = [batch.seqs[i] for i in seq_ids]
-    width = max((s.context_len + block_size - 1) // block_size for s in seqs)
-    tables = torch.zeros(len(seqs), width, dtype=torch.int64)
-    for row, s in enumerate(seqs):
-        n = (s.context_len + block_size - 1) // block_size
-        tables[row, :n] = s.block_table[:n]
-    token_idx = torch.cat([torch.arange(s.start, s.end) for s in seqs])
-    positions = batch.positions[token_idx].view(len(seqs), -1)
-    return DecodeGroup(seq_ids, token_idx, positions, tables, [s.context_len for s in seqs])
+    # One padding op instead of one copy per sequence: this runs once per pass but for every sequence.
+    tables = pad_sequence([s.block_table[: (s.context_len + block_size - 1) // block_size] for s in seqs], True)
+    one_run = all(a.end == b.start for a, b in zip(seqs, seqs[1:], strict=False))
+    if one_run:
+        token_rows: slice | torch.Tensor = slice(seqs[0].start, seqs[-1].end)
+        token_idx = torch.arange(seqs[0].start, seqs[-1].end)
+    else:
+        token_idx = token_rows = torch.cat([torch.arange(s.start, s.end) for s in seqs])
+    positions = batch.positions[token_rows].view(len(seqs), -1)
+    return DecodeGroup(seq_ids, token_idx, positions, tables, [s.context_len for s in seqs], token_rows)

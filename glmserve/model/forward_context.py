@@ -32,6 +32,14 @@ class ForwardContext:
     force_absorbed: bool | None = None
     indexer_records: list[tuple[int, torch.Tensor, torch.Tensor]] = field(default_factory=list)
     _groups: dict[int, list[DecodeGroup]] = field(default_factory=dict, repr=False)
+    _cache_rows: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+
+    def cache_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block id, offset in block) of each new token's KV (computed once per pass, not per layer)."""
+        if self._cache_rows is None:
+            block_size = self.cache.layout.block_size
+            self._cache_rows = (self.batch.slots // block_size, self.batch.slots % block_size)
+        return self._cache_rows
 
     def decode_groups(self, max_queries: int) -> list[DecodeGroup]:
         """The batch's DecodeGroups (built once per pass, shared by every layer)."""

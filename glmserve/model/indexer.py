@@ -30,18 +30,19 @@ class Indexer(nn.Module):
         rot, rest = x.split([self.rope_dim, self.head_dim - self.rope_dim], dim=-1)
         return torch.cat([apply_rope(rot, cos, sin), rest], dim=-1)
 
-    def keys(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Indexer keys of new tokens [N, head_dim]; these go to the cache."""
-        return self._rotate_front(self.k_norm(self.wk(hidden)), cos, sin)
+    def keys_from(self, projected: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Indexer keys of new tokens [N, head_dim] given wk(hidden) (computed together with the other
+        projections of the layer input); these go to the cache."""
+        return self._rotate_front(self.k_norm(projected), cos, sin)
 
-    def queries(
-        self, q_resid: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    def queries_from(
+        self, q_resid: torch.Tensor, projected_weights: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-head queries [N, H, D] and head weights [N, H] (fp32) of new tokens."""
+        """Per-head queries [N, H, D] and head weights [N, H] (fp32) of new tokens, given
+        weights_proj(hidden)."""
         q = self.wq_b(q_resid).view(-1, self.n_heads, self.head_dim)
         q = self._rotate_front(q, cos, sin)
-        weights = self.weights_proj(hidden.to(self.weights_proj.weight.dtype)).float() * self.n_heads**-0.5
-        return q, weights
+        return q, projected_weights.float() * self.n_heads**-0.5
 
     def scores(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor):
         """Index scores [..., S, T] of S queries over T context keys; later tokens are -inf (causal).
@@ -54,24 +55,39 @@ class Indexer(nn.Module):
         scores = torch.matmul(weights.unsqueeze(-2), per_head).squeeze(-2)  # [..., S, T]
         return scores.masked_fill(causal_mask(positions, keys.shape[-2]).logical_not(), float("-inf"))
 
-    def select(self, scores: torch.Tensor) -> torch.Tensor:
+    def select(self, scores: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Top-k token positions [..., S, min(index_topk, T)] (int64, ascending) of each query.
 
         ReLU makes exact ties common (many scores are exactly 0). Ties at the cut are broken towards
         earlier positions, so the selection never depends on how queries were batched or chunked
         (nor on padding after a sequence's end: padded keys score -inf).
+        `positions` [S] (one sequence's ascending query positions) lets queries at positions < k skip
+        the search: they see at most k keys, every later one scores -inf, so they select 0..k-1.
         """
         lead, t = scores.shape[:-1], scores.shape[-1]
         k = min(self.index_topk, t)
         if k == t:
             return torch.arange(k, device=scores.device).expand(*lead, k)
-        flat = scores.reshape(-1, t)
-        cut = flat.topk(k, dim=-1).values[:, -1:]
-        above = flat > cut
-        tied = flat == cut
-        room = k - above.sum(-1, keepdim=True)
-        chosen = above | (tied & (tied.cumsum(-1) <= room))
-        return chosen.nonzero()[:, 1].view(*lead, k)
+        if positions is None or scores.dim() != 2:
+            return _top_k(scores.reshape(-1, t), k).view(*lead, k)
+        short = int(torch.searchsorted(positions, k))  # queries before position k
+        if short == 0:
+            return _top_k(scores, k)
+        first = torch.arange(k, device=scores.device).expand(short, k)
+        if short == lead[0]:
+            return first
+        return torch.cat([first, _top_k(scores[short:], k)])
+
+
+def _top_k(flat: torch.Tensor, k: int) -> torch.Tensor:
+    """[R, k] ascending positions of each row's k best scores, ties towards earlier positions."""
+    # The k-th largest score by selection, not sorting: the same value, several times faster on CPU.
+    cut = flat.kthvalue(flat.shape[-1] - k + 1, dim=-1, keepdim=True).values
+    above = flat > cut
+    tied = flat == cut
+    room = k - above.sum(-1, keepdim=True)
+    chosen = above | (tied & (tied.cumsum(-1) <= room))
+    return chosen.nonzero()[:, 1].view(-1, k)
 
 
 def causal_mask(positions: torch.Tensor, context_len: int) -> torch.Tensor:

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from glmserve.model.config import GlmConfig
-from glmserve.model.mlp import GatedMLP
+from glmserve.model.mlp import GatedMLP, silu_mul
 
 
 class TopkRouter(nn.Module):
@@ -61,19 +61,19 @@ class RoutedExperts(nn.Module):
         order = flat_experts.argsort(stable=True)
         token_of = order // k
         counts = torch.bincount(flat_experts, minlength=self.gate_up_proj.shape[0]).tolist()
-        out = torch.zeros_like(x)
+        # Token rows are gathered, weighted and scattered back once for all experts; the loop only runs
+        # each expert's two matmuls (on small batches per-op overhead is much of the MoE's time).
+        xs = x.index_select(0, token_of)
+        ys = []
         start = 0
         for expert, count in enumerate(counts):
             if count == 0:
                 continue
-            picks = order[start : start + count]
-            tokens = token_of[start : start + count]
+            gate, up = F.linear(xs[start : start + count], self.gate_up_proj[expert]).chunk(2, dim=-1)
+            ys.append(F.linear(silu_mul(gate, up), self.down_proj[expert]))
             start += count
-            gate, up = F.linear(x[tokens], self.gate_up_proj[expert]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down_proj[expert])
-            y = y * weights.reshape(-1)[picks, None]
-            out.index_add_(0, tokens, y.to(out.dtype))
-        return out
+        y = (torch.cat(ys) * weights.reshape(-1)[order].unsqueeze(1)).to(x.dtype)  # weights are fp32
+        return torch.zeros_like(x).index_add_(0, token_of, y)
 
 
 class MoE(nn.Module):

@@ -38,7 +38,12 @@ class PagedKVCache:
     def write(view: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
         """Store one row per token; `slots` are block_id * block_size + offset."""
         block_size = view.shape[1]
-        view[slots // block_size, slots % block_size] = values.to(view.dtype)
+        PagedKVCache.write_at(view, (slots // block_size, slots % block_size), values)
+
+    @staticmethod
+    def write_at(view: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor], values: torch.Tensor) -> None:
+        """write() given (block ids, offsets) of the slots, which every layer of a pass shares."""
+        view[rows] = values.to(view.dtype)
 
     @staticmethod
     def gather(view: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:

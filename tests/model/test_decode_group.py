@@ -56,11 +56,18 @@ def test_grouped_attention_equals_per_sequence(monkeypatch, topk):
     batch = ForwardBatch.build(new, lengths, tables, BLOCK)
     saved = cache.buffer.clone()
 
+    # A decode-only step: one group whose tokens are one run of the batch (views, not gathers).
+    decode = ForwardBatch.build([[5 + i] for i in range(5)], [n + 1 for n in lengths], tables, BLOCK)
+    assert isinstance(model.context(decode, cache).decode_groups(16)[0].token_rows, slice)
+
     grouped_hidden, grouped_topk = model(model.context(batch, cache))
+    grouped_decode, _ = model(model.context(decode, cache))
     grouped_cache = cache.buffer.clone()
     cache.buffer.copy_(saved)
     monkeypatch.setattr(MLAttention, "_decode_groups", lambda self, ctx: [])
     alone_hidden, alone_topk = model(model.context(batch, cache))
+    alone_decode, _ = model(model.context(decode, cache))
+    torch.testing.assert_close(grouped_decode, alone_decode, rtol=1e-4, atol=1e-4)
 
     assert len(model.context(batch, cache).decode_groups(16)) == 2  # 1-query and 3-query groups
     torch.testing.assert_close(grouped_hidden, alone_hidden, rtol=1e-4, atol=1e-4)  # summation order differs

@@ -34,3 +34,16 @@ def test_selection_ignores_masked_tail_and_other_rows():
 def test_short_context_selects_everything():
     scores = torch.randn(3, 5)
     assert _indexer(64).select(scores).tolist() == [list(range(5))] * 3
+
+
+def test_queries_before_position_k_skip_the_search_and_select_the_same():
+    """select(scores, positions): queries at positions < k take 0..k-1 without a top-k search; the
+    result equals the search over all queries (a prefill chunk starting at 0 and one after it)."""
+    indexer = _indexer(16)
+    g = torch.Generator().manual_seed(1)
+    for cached, new in ((0, 40), (10, 20), (20, 5), (0, 12)):
+        t = cached + new
+        positions = torch.arange(cached, t)
+        scores = torch.relu(torch.randn(new, t, generator=g)).round(decimals=1)
+        scores = scores.masked_fill(torch.arange(t) > positions[:, None], float("-inf"))
+        assert torch.equal(indexer.select(scores, positions), indexer.select(scores))

@@ -1,0 +1,59 @@
+"""Inference fast paths equal the plain definitions: fused projections, the MoE and its router."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from reference import config_dict
+
+from glmserve.model.config import GlmConfig
+from glmserve.model.fused_linear import FusedLinear
+from glmserve.model.glm_model import init_random
+from glmserve.model.mlp import GatedMLP
+from glmserve.model.moe import MoE
+
+
+def _moe() -> MoE:
+    moe = MoE(GlmConfig.from_dict(config_dict("glm52_schedule")))
+    init_random(moe, std=0.2, generator=torch.Generator().manual_seed(0))
+    return moe.eval()
+
+
+def _plain_moe(moe: MoE, x: torch.Tensor) -> torch.Tensor:
+    """The MoE written out token by token."""
+    _, weights, ids = moe.gate(x)
+    ex = moe.experts
+    out = moe.shared_experts.down_proj(
+        F.silu(moe.shared_experts.gate_proj(x)) * moe.shared_experts.up_proj(x)
+    )
+    for t in range(x.shape[0]):
+        for w, e in zip(weights[t], ids[t], strict=True):
+            gate, up = (ex.gate_up_proj[e] @ x[t]).chunk(2)
+            out[t] += w * (ex.down_proj[e] @ (F.silu(gate) * up))
+    return out
+
+
+@torch.no_grad()
+def test_moe_equals_the_token_by_token_definition():
+    moe = _moe()
+    g = torch.Generator().manual_seed(1)
+    for n in (1, 5, 32, 200):  # decode-sized batches (some experts unused) to prefill-sized
+        x = torch.randn(n, moe.gate.weight.shape[1], generator=g)
+        torch.testing.assert_close(moe(x), _plain_moe(moe, x), atol=1e-5, rtol=1e-5)
+
+
+def test_fused_linear_matches_layers_follows_updates_and_steps_aside_for_autograd():
+    mlp = GatedMLP(16, 24)
+    x = torch.randn(5, 16)
+    with torch.no_grad():
+        gate, up = mlp.gate_up(x)
+        torch.testing.assert_close(gate, mlp.gate_proj(x))
+        torch.testing.assert_close(up, mlp.up_proj(x))
+        mlp.up_proj.weight.mul_(2.0)  # an in-place update (an optimizer step) must not go unseen
+        torch.testing.assert_close(mlp.gate_up(x)[1], mlp.up_proj(x))
+        mlp.gate_proj.weight = torch.nn.Parameter(torch.randn(24, 16))  # so must a new tensor
+        torch.testing.assert_close(mlp.gate_up(x)[0], mlp.gate_proj(x))
+    assert mlp.gate_up(x) is None  # autograd: the separate layers run and get their gradients
+    mlp(x).sum().backward()
+    assert mlp.gate_proj.weight.grad is not None and mlp.up_proj.weight.grad is not None
+    assert FusedLinear([torch.nn.Linear(16, 4, bias=False).double()])(x) is None  # mixed dtypes
