@@ -4,16 +4,19 @@ For each batch-size bucket (powers of two) and each k in 0..max_drafts it keeps 
 times of a pure decode step's forward that verified k drafts and of the drafting that proposed k
 drafts (MTP forwards, catching up deferred positions included), and for each k the tokens a request
 gained per step. A step's forward verifies the drafts chosen one step earlier, while its drafting
-serves the next step, so the two are recorded under their own k. It picks the k with the most tokens
-per second (k > 0 only when it beats k = 0 by a margin). Everything the engine spends on speculation
-is in the measured times, so when speculation does not pay (large batches, low acceptance) k = 0 wins.
+serves the next step, so the two are recorded under their own k. Rate = tokens per second. Everything
+the engine spends on speculation is in the measured times, so when speculation does not pay (large
+batches, low acceptance) k = 0 wins.
 
-Step times are noisy (other processes, allocator, Python), so estimates are medians of the last
-`WINDOW` samples: one slow step cannot flip the choice. A bucket tries k + 1 only once k has beaten
-every shorter choice. Now and then it re-measures the choice whose samples are oldest (the best k is
-measured every step; the others go stale): first after `explore_every` steps in the bucket, and each
-time that leaves the best k unchanged the wait doubles (up to `MAX_EXPLORE_EVERY`), so a bucket where
-speculation keeps losing (large batches) rarely pays for trying it again.
+Step times are noisy and drift (other processes, the host, context growth), so only measurements
+close in time are compared. Each bucket has an incumbent k, run (and measured) every step. Another k
+is tried as a probe: PROBE_STEPS consecutive steps, enough for most of its WINDOW samples to be fresh;
+right after a probe the probed k replaces the incumbent if it is faster (a k > 0 must be faster by
+MARGIN than k = 0's own measurements suggest: a tie is a loss once exploring is counted). A k that
+wins is followed at once by a probe of k + 1 (longer drafts are tried only while drafting pays).
+Probes come first after `explore_every` steps; each one that leaves the incumbent in place doubles the
+wait (up to MAX_EXPLORE_EVERY), so a bucket where speculation keeps losing (large batches) rarely pays
+for trying it again. While speculating, probes try one draft fewer and one more in turn.
 """
 
 from __future__ import annotations
@@ -22,23 +25,22 @@ from collections import deque
 from statistics import median
 
 WINDOW = 7  # samples per estimate
-# Speculation must beat k = 0 by this fraction: step times are noisy, and a tie is a loss once the
-# cost of exploring is counted.
+PROBE_STEPS = 4  # consecutive steps a probed k runs: a majority of its WINDOW samples
+# A k > 0 must beat k = 0 by this fraction: step times are noisy, and a tie is a loss once the cost
+# of exploring is counted.
 MARGIN = 0.10
 MAX_EXPLORE_EVERY = 512
-PROBE_STEPS = 4  # consecutive steps an explored k runs: a majority of its WINDOW samples
+HYSTERESIS = 0.03  # a probed k replaces the incumbent only when this much faster (no flip-flopping)
 
 
 class Samples:
-    """The last WINDOW observations, and when the last one came (a step counter)."""
+    """The last WINDOW observations."""
 
     def __init__(self) -> None:
         self.values: deque[float] = deque(maxlen=WINDOW)
-        self.last_step = 0
 
-    def add(self, x: float, step: int) -> None:
+    def add(self, x: float) -> None:
         self.values.append(x)
-        self.last_step = step
 
     @property
     def estimate(self) -> float:
@@ -54,12 +56,11 @@ class SpecPolicy:
         self.step_seconds: dict[tuple[int, int], Samples] = {}
         self.draft_seconds: dict[tuple[int, int], Samples] = {}
         self.tokens_per_step: dict[int, Samples] = {}
-        self._clock = 0  # samples recorded so far: orders measurements by age
+        self._current: dict[int, int] = {}  # bucket -> incumbent k
         self._probes: dict[int, tuple[int, int]] = {}  # bucket -> (k being probed, steps left)
-        self._probed: dict[int, int] = {}  # bucket -> k whose probe just ended
-        self._current: dict[int, int] = {}  # bucket -> its chosen k outside probes
-        # bucket -> (steps left until it explores, current wait, best k when the wait was set)
-        self._explore: dict[int, tuple[int, int, int]] = {}
+        self._probed: dict[int, int] = {}  # bucket -> k whose probe just ended, not yet judged
+        self._wait: dict[int, tuple[int, int]] = {}  # bucket -> (steps left until a probe, wait)
+        self._turns: dict[int, int] = {}  # bucket -> probes made while speculating (alternates their k)
 
     @staticmethod
     def bucket(batch_size: int) -> int:
@@ -70,38 +71,33 @@ class SpecPolicy:
         verified `drafts` drafts each."""
         if drafts > self.max_drafts or batch_size == 0:
             return
-        self._clock += 1
-        self.step_seconds.setdefault((self.bucket(batch_size), drafts), Samples()).add(seconds, self._clock)
+        self.step_seconds.setdefault((self.bucket(batch_size), drafts), Samples()).add(seconds)
         if drafts:
-            self.tokens_per_step.setdefault(drafts, Samples()).add(tokens_gained / batch_size, self._clock)
+            self.tokens_per_step.setdefault(drafts, Samples()).add(tokens_gained / batch_size)
 
     def record_drafting(self, batch_size: int, drafts: int, seconds: float) -> None:
         """Drafting `drafts` tokens for each of `batch_size` decoding requests took `seconds`."""
         if drafts > self.max_drafts or batch_size == 0:
             return
-        self._clock += 1
-        self.draft_seconds.setdefault((self.bucket(batch_size), drafts), Samples()).add(seconds, self._clock)
+        self.draft_seconds.setdefault((self.bucket(batch_size), drafts), Samples()).add(seconds)
 
     def _rate(self, bucket: int, k: int) -> float | None:
-        """Tokens per second with k drafts in this bucket; None until measured."""
+        """Tokens per second with k drafts in this bucket, k > 0 discounted by MARGIN; None until
+        measured."""
         step = self.step_seconds.get((bucket, k))
-        gain = self.tokens_per_step.get(k).estimate if k in self.tokens_per_step else 1.0 if k == 0 else None
-        draft = self.draft_seconds.get((bucket, k)) if k else None
-        if step is None or gain is None or (k and draft is None):
+        if k == 0:
+            return None if step is None else 1.0 / step.estimate
+        gain, draft = self.tokens_per_step.get(k), self.draft_seconds.get((bucket, k))
+        if step is None or gain is None or draft is None:
             return None
-        return gain / (step.estimate + (draft.estimate if draft is not None else 0.0))
-
-    def _age(self, bucket: int, k: int) -> int:
-        """When k was last measured in this bucket (its verification or its drafting, the older)."""
-        step = self.step_seconds[(bucket, k)].last_step
-        return min(step, self.draft_seconds[(bucket, k)].last_step) if k else step
+        return gain.estimate / (step.estimate + draft.estimate) / (1 + MARGIN)
 
     def choose(self, batch_size: int, measurable: bool = True) -> int:
         """Drafts per request for the next step of a batch of `batch_size` decoding requests.
 
         `measurable` False: the next step will not be recorded (prompts are still being prefilled
-        alongside), so nothing is explored in it; it gets the settled choice of this batch size or
-        of the nearest one measured, else k = 0."""
+        alongside), so nothing is tried in it; it gets the incumbent of this batch size or of the
+        nearest one measured, else k = 0."""
         if self.max_drafts == 0 or batch_size == 0:
             return 0
         b = self.bucket(batch_size)
@@ -109,34 +105,41 @@ class SpecPolicy:
             return self._settled(b)
         if b in self._probes:
             return self._continue_probe(b)
-        rates: dict[int, float] = {}
-        for k in range(self.max_drafts + 1):
-            rate = self._rate(b, k)
-            if rate is None:
-                # Measure k only while each longer draft has paid so far: a k that loses to k - 1
-                # is not worth one more costly probe to learn that k + 1 loses too.
-                if not rates or self._best(rates) == k - 1:
-                    return self._start_probe(b, k)
-                break
-            rates[k] = rate
-        best = self._best(rates)
-        probed, self._probed = self._probed.pop(b, None), self._probed
-        if best != self._current.get(b, best) and best != probed:
-            return self._start_probe(b, best)  # switch only on fresh numbers, not on stale ones
-        self._current[b] = best
-        if len(rates) > 1 and self._explore_due(b, best):
-            # k = 0 is the safe choice: while speculating, explorations re-check it (the other
-            # lengths keep their last measurements).
-            if best:
-                return self._start_probe(b, 0)
-            return self._start_probe(b, min((k for k in rates if k != best), key=lambda k: self._age(b, k)))
-        return best
+        if b not in self._current:  # a new bucket: k = 0 first, then a probe of k = 1 right after
+            self._current[b] = 0
+            self._wait[b] = (1, self.explore_every // 2)
+            return self._start_probe(b, 0)
+        current, probed = self._current[b], self._probed.pop(b, None)
+        if probed is not None and probed != current and self._faster(b, probed, current):
+            self._current[b] = probed
+            self._wait[b] = (2 * PROBE_STEPS, self.explore_every // 2)  # soon re-check the old choice
+            if current < probed < self.max_drafts:
+                return self._start_probe(b, probed + 1)  # k paid: try one more draft
+            return probed
+        if self._probe_due(b):
+            return self._start_probe(b, self._neighbour(b, current))
+        return current
 
-    @staticmethod
-    def _best(rates: dict[int, float]) -> int:
-        """The fastest k; k = 0 unless speculation beats it by MARGIN."""
-        best = max(rates, key=rates.__getitem__)
-        return best if rates[best] >= rates[0] * (1 + MARGIN) else 0
+    def _neighbour(self, bucket: int, current: int) -> int:
+        """What a probe tries: k = 1 from k = 0, else one draft fewer and one more in turn."""
+        if current == 0:
+            return 1
+        self._turns[bucket] = self._turns.get(bucket, 0) + 1
+        return current + 1 if self._turns[bucket] % 2 == 0 and current < self.max_drafts else current - 1
+
+    def _faster(self, bucket: int, k: int, than: int) -> bool:
+        rate, other = self._rate(bucket, k), self._rate(bucket, than)
+        return rate is not None and (other is None or rate > other * (1 + HYSTERESIS))
+
+    def _probe_due(self, bucket: int) -> bool:
+        """Counts down to the next probe; each probe doubles the wait until the incumbent changes."""
+        left, wait = self._wait[bucket]
+        if left > 1:
+            self._wait[bucket] = (left - 1, wait)
+            return False
+        wait = min(2 * wait, MAX_EXPLORE_EVERY)
+        self._wait[bucket] = (wait, wait)
+        return True
 
     def _settled(self, bucket: int) -> int:
         if not self._current:
@@ -157,15 +160,3 @@ class SpecPolicy:
             del self._probes[bucket]
             self._probed[bucket] = k
         return k
-
-    def _explore_due(self, bucket: int, best: int) -> bool:
-        left, wait, best_then = self._explore.get(bucket, (self.explore_every, self.explore_every, best))
-        if best != best_then:  # the choice changed (noise can do that): check the old one again soon
-            wait = self.explore_every
-            left = min(left, 2 * PROBE_STEPS)
-        if left > 1:
-            self._explore[bucket] = (left - 1, wait, best)
-            return False
-        wait = min(2 * wait, MAX_EXPLORE_EVERY)
-        self._explore[bucket] = (wait, wait, best)
-        return True

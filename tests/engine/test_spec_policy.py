@@ -1,4 +1,8 @@
-"""SpecPolicy picks the number of drafts that gave the most tokens per second, per batch size."""
+"""SpecPolicy picks the number of drafts that gives the most tokens per second, per batch size.
+
+`_run` drives the policy as the engine does: each step records the forward that verified the previous
+step's drafts, then asks for the next k and records the drafting that k cost.
+"""
 
 from __future__ import annotations
 
@@ -8,113 +12,109 @@ import pytest
 
 from glmserve.engine.spec_policy import PROBE_STEPS, SpecPolicy
 
-
-def _feed(policy: SpecPolicy, batch: int, seconds: dict[int, float], tokens: dict[int, float], rounds: int = 5):
-    for _ in range(rounds):
-        for k, sec in seconds.items():  # sec: the whole cost of a step with k drafts
-            policy.record_step(batch, k, sec, tokens[k] * batch)
-            policy.record_drafting(batch, k, 0.0)
+# Costs of one step (ms of the forward that verified k drafts, ms of drafting k) and tokens a request
+# gains per step, shaped like the bundled model on 2 cores.
+LARGE_BATCH = ([40, 70, 75, 80], [0.05, 14, 23.5, 33], [1, 1.6, 2.0, 2.2])  # every k > 0 loses 19-24%
+SMALL_BATCH = ([12, 13, 14, 15.5], [0.05, 2.5, 5, 7.5], [1, 1.7, 2.0, 2.2])  # k = 1 best, k = 2 close
 
 
-def test_measures_each_choice_first_for_a_few_steps():
-    policy = SpecPolicy(max_drafts=2)
-    assert [policy.choose(1) for _ in range(PROBE_STEPS)] == [0] * PROBE_STEPS
-    for _ in range(PROBE_STEPS):
-        policy.record_step(1, 0, 0.01, 1)
-    assert [policy.choose(1) for _ in range(PROBE_STEPS)] == [1] * PROBE_STEPS
-    for _ in range(PROBE_STEPS):
-        policy.record_step(1, 1, 0.01, 2)
-        policy.record_drafting(1, 1, 0.002)
-    assert policy.choose(1) == 2  # one draft paid: two are tried next
-
-
-def test_speculates_when_verification_is_nearly_free():
-    policy = SpecPolicy(max_drafts=3, explore_every=10**9)
-    _feed(policy, 1, {0: 0.010, 1: 0.011, 2: 0.012, 3: 0.014}, {0: 1, 1: 1.7, 2: 2.0, 3: 2.1})
-    assert policy.choose(1) == 2  # 2.0 / 0.012 beats 1.7 / 0.011 and 2.1 / 0.014
-
-
-def test_stops_speculating_when_it_does_not_pay():
-    policy = SpecPolicy(max_drafts=3, explore_every=10**9)
-    _feed(policy, 32, {0: 0.05, 1: 0.09, 2: 0.13, 3: 0.17}, {0: 1, 1: 1.7, 2: 2.0, 3: 2.1})
-    assert policy.choose(32) == 0
-    _feed(policy, 1, {0: 0.010, 1: 0.011, 2: 0.012, 3: 0.014}, {0: 1, 1: 1.7, 2: 2.0, 3: 2.1})
-    assert policy.choose(1) == 2 and policy.choose(32) == 0  # buckets are separate
-
-
-def test_explores_less_often_while_the_best_choice_holds():
-    policy = SpecPolicy(max_drafts=3, explore_every=4)
-    _feed(policy, 32, {0: 0.05, 1: 0.09, 2: 0.13, 3: 0.17}, {0: 1, 1: 1.7, 2: 2.0, 3: 2.1})
-    picks = [policy.choose(32) for _ in range(80)]
-    starts = [i + 1 for i, k in enumerate(picks) if k and not (i and picks[i - 1])]
-    assert starts == [4, 15, 34, 69]  # probes of PROBE_STEPS steps after waits of 4, 8, 16, 32 steps
-    assert sum(1 for k in picks if k) == 4 * PROBE_STEPS
-
-
-def test_a_new_best_choice_is_checked_again_soon():
-    policy = SpecPolicy(max_drafts=1, explore_every=8)
-    _feed(policy, 8, {0: 0.010, 1: 0.030}, {0: 1, 1: 1.7})
-    assert [policy.choose(8) for _ in range(4)] == [0] * 4
-    _feed(policy, 8, {0: 0.010, 1: 0.011}, {0: 1, 1: 1.7}, rounds=10)  # now one draft pays
-    picks = [policy.choose(8) for _ in range(20)]
-    assert picks[:PROBE_STEPS] == [1] * PROBE_STEPS  # switches, then ...
-    assert 0 in picks[: 3 * PROBE_STEPS]  # ... re-checks k = 0 within a few steps, not after the old wait
-    assert picks[-PROBE_STEPS:] == [1] * PROBE_STEPS
-
-
-@pytest.mark.parametrize("seed", range(4))
-def test_noisy_step_times_do_not_turn_speculation_on_at_a_large_batch(seed):
-    """Step times with 15% noise and 5% of steps twice as slow: the policy still keeps k = 0 almost
-    always where every k > 0 loses 19-24% (as at batch 32 on the bundled model)."""
+def _run(policy, batch, costs, steps, noise=0.0, spike=0.0, seed=0, measurable=True, start_k=0):
+    step_ms, draft_ms, tokens = costs
     rng = random.Random(seed)
-    step, draft, tokens = [40, 70, 75, 80], [0.05, 14, 23.5, 33], [1, 1.6, 2.0, 2.2]
-    policy, k, picks = SpecPolicy(max_drafts=3), 0, []
-    for _ in range(1000):
-        noise = rng.lognormvariate(0, 0.15) * (2 if rng.random() < 0.05 else 1)
-        policy.record_step(32, k, step[k] * noise, tokens[k] * 32)
-        k = policy.choose(32)
+    k, picks = start_k, []
+
+    def jitter(ms: float) -> float:
+        return ms * rng.lognormvariate(0, noise) * (2 if rng.random() < spike else 1) / 1000
+
+    for _ in range(steps):
+        policy.record_step(batch, k, jitter(step_ms[k]), tokens[k] * batch)
+        k = policy.choose(batch, measurable)
         picks.append(k)
-        policy.record_drafting(32, k, draft[k] * rng.lognormvariate(0, 0.15))
-    assert picks[100:].count(0) >= 0.93 * 900
+        policy.record_drafting(batch, k, jitter(draft_ms[k]))
+    return picks
+
+
+def _runs(picks: list[int]) -> list[tuple[int, int]]:
+    """(k, length) of each run of equal picks."""
+    out: list[tuple[int, int]] = []
+    for k in picks:
+        if out and out[-1][0] == k:
+            out[-1] = (k, out[-1][1] + 1)
+        else:
+            out.append((k, 1))
+    return out
+
+
+def test_a_new_batch_size_measures_no_drafts_then_one_draft():
+    picks = _run(SpecPolicy(max_drafts=3), 32, LARGE_BATCH, 2 * PROBE_STEPS + 1)
+    assert picks == [0] * PROBE_STEPS + [1] * PROBE_STEPS + [0]
+
+
+def test_speculates_when_drafts_pay_and_finds_the_best_length():
+    picks = _run(SpecPolicy(max_drafts=3), 1, SMALL_BATCH, 400)
+    assert picks[: 3 * PROBE_STEPS] == [0] * PROBE_STEPS + [1] * PROBE_STEPS + [2] * PROBE_STEPS  # k = 1 won
+    assert picks[50:].count(1) >= 0.9 * 350  # k = 1: 1.7 / 15.5 ms beats 2.0 / 19 ms and 2.2 / 23 ms
+
+
+def test_stops_speculating_where_it_does_not_pay():
+    picks = _run(SpecPolicy(max_drafts=3), 32, LARGE_BATCH, 400)
+    assert picks[2 * PROBE_STEPS :].count(0) >= 0.95 * (400 - 2 * PROBE_STEPS)
+    assert 2 not in picks and 3 not in picks  # one draft lost: longer drafts are never tried
+
+
+def test_probes_back_off_while_the_choice_holds():
+    picks = _run(SpecPolicy(max_drafts=3, explore_every=8), 32, LARGE_BATCH, 200)
+    probe_starts = [i for i, k in enumerate(picks) if k and not (i and picks[i - 1])]
+    gaps = [b - a for a, b in zip(probe_starts, probe_starts[1:], strict=False)]
+    assert len(gaps) >= 3 and all(later > earlier for earlier, later in zip(gaps, gaps[1:], strict=False))
+    assert all(n == PROBE_STEPS for k, n in _runs(picks) if k)
 
 
 def test_a_marginal_gain_does_not_turn_speculation_on():
-    policy = SpecPolicy(max_drafts=1, explore_every=10**9)
-    _feed(policy, 8, {0: 0.010, 1: 0.0168}, {0: 1, 1: 1.7})  # 1.2% more tokens/s than k = 0
-    assert policy.choose(8) == 0
-    _feed(policy, 8, {0: 0.010, 1: 0.0150}, {0: 1, 1: 1.7}, rounds=30)  # 13% more
-    assert policy.choose(8) == 1
+    # k = 1 gives 5% more tokens/s than k = 0: inside the margin, not worth speculating.
+    costs = ([10, 15.0, 99, 99], [0.05, 1.19, 99, 99], [1, 1.7, 1, 1])
+    picks = _run(SpecPolicy(max_drafts=1), 8, costs, 200)
+    assert picks[2 * PROBE_STEPS :].count(0) >= 0.9 * (200 - 2 * PROBE_STEPS)  # all but backed-off probes
 
 
 def test_drafting_is_charged_to_the_drafts_it_made():
-    """A step that verified nothing but then drafted is a k = 0 forward plus k = 1 drafting."""
-    policy = SpecPolicy(max_drafts=1, explore_every=10**9)
-    for _ in range(10):
-        policy.record_step(32, 0, 0.050, 32)
-        policy.record_drafting(32, 1, 0.030)  # what the next step's drafts cost
-        policy.record_step(32, 1, 0.055, 32 * 1.7)
-        policy.record_drafting(32, 0, 0.0)
-    assert policy.choose(32) == 0  # 1.7 / 0.085 < 1 / 0.050, though 1.7 / 0.055 > 1 / 0.080
+    """A cheap verification does not hide expensive drafting: 1.7 / (55 + 30) ms < 1 / 50 ms."""
+    costs = ([50, 55, 99, 99], [0.05, 30, 99, 99], [1, 1.7, 1, 1])
+    picks = _run(SpecPolicy(max_drafts=1), 32, costs, 200)
+    assert picks[2 * PROBE_STEPS :].count(0) >= 0.9 * (200 - 2 * PROBE_STEPS)
 
 
-def test_longer_drafts_are_tried_only_while_drafting_pays():
-    policy = SpecPolicy(max_drafts=3, explore_every=10**9)
-    _feed(policy, 32, {0: 0.05, 1: 0.09}, {0: 1, 1: 1.7})  # one draft loses
-    assert [policy.choose(32) for _ in range(5)] == [0] * 5  # k = 2 and 3 are never tried
+def test_a_switch_is_rechecked_soon():
+    """When drafts start to pay (acceptance rose), the policy switches at its next probe, then soon
+    probes the old choice again rather than waiting the backed-off interval."""
+    policy = SpecPolicy(max_drafts=1, explore_every=8)
+    _run(policy, 8, ([10, 30, 0, 0], [0.05, 5, 0, 0], [1, 1.7, 0, 0]), 100)  # drafts lose
+    picks = _run(policy, 8, ([10, 11, 0, 0], [0.05, 1, 0, 0], [1, 1.7, 0, 0]), 300)
+    first = picks.index(1)
+    after = picks[first + PROBE_STEPS :]
+    assert after.count(1) >= 0.85 * len(after)  # it switched to k = 1 ...
+    assert 0 in after[: 3 * PROBE_STEPS]  # ... and re-checked k = 0 within a few steps
 
 
 def test_steps_that_will_not_be_measured_get_a_settled_choice_and_no_probe():
-    policy = SpecPolicy(max_drafts=2, explore_every=4)
+    policy = SpecPolicy(max_drafts=3)
     assert policy.choose(32, measurable=False) == 0  # nothing known yet
-    _feed(policy, 2, {0: 0.010, 1: 0.011, 2: 0.030}, {0: 1, 1: 1.7, 2: 2.0})
-    assert policy.choose(2) == 1
+    _run(policy, 2, SMALL_BATCH, 100)
     assert policy.choose(3, measurable=False) == 1  # same bucket
     assert policy.choose(8, measurable=False) == 1  # nearest measured bucket
-    assert [policy.choose(32, measurable=False) for _ in range(20)] == [1] * 20  # never probes
+    assert _run(policy, 32, SMALL_BATCH, 50, measurable=False, start_k=1) == [1] * 50  # never probes
     assert policy.choose(32) == 0  # a measurable step starts measuring the new bucket
 
 
-def test_a_draft_length_that_only_ties_is_not_extended():
-    policy = SpecPolicy(max_drafts=3, explore_every=10**9)
-    _feed(policy, 32, {0: 0.05, 1: 0.05 * 1.7 / 1.02}, {0: 1, 1: 1.7})  # k = 1 is 2% faster: a tie
-    assert [policy.choose(32) for _ in range(5)] == [0] * 5  # k = 2 is never probed
+@pytest.mark.parametrize("seed", range(4))
+def test_noisy_step_times_keep_the_right_choice(seed):
+    """15% noise on every time and 5% of steps twice as slow: one slow step must not flip the choice."""
+    large = _run(SpecPolicy(max_drafts=3), 32, LARGE_BATCH, 1000, noise=0.15, spike=0.05, seed=seed)
+    assert large[100:].count(0) >= 0.95 * 900
+    small = _run(SpecPolicy(max_drafts=3), 1, SMALL_BATCH, 1000, noise=0.15, spike=0.05, seed=seed)
+    assert sum(1 for k in small[100:] if k) >= 0.9 * 900  # speculates; k = 1 and 2 are within 4%
+
+
+def test_rejects_bad_max_drafts():
+    with pytest.raises(ValueError, match="max_drafts"):
+        SpecPolicy(max_drafts=-1)
