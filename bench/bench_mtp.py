@@ -5,8 +5,9 @@ Prompts: held-out stdlib source (code, 128-256 tokens) and agent chats cut right
 eos or `--max-tokens`, and since greedy MTP is lossless every configuration generates the same
 tokens (`same as off` checks it). Each configuration gets a fresh engine (prefix caching off) and a
 warm-up run with other prompts at the same batch size, so `auto` has measured step costs and
-acceptance before the timed run; its counters are reset after the warm-up. Batch 1 runs
-`--b1-requests` requests one after another. `decode tok/s` counts the tokens after every request of
+acceptance before the timed runs; its counters are reset after the warm-up. The timed runs come in
+`--rounds` rounds, each running every configuration once, so drifts of the machine's speed hit all of
+them alike; ratios are taken within a round. Batch 1 runs `--b1-requests` requests one after another. `decode tok/s` counts the tokens after every request of
 a batch has its first one, over the time since then; `tok/s` is end to end, prefill included.
 
     python bench/bench_mtp.py [--batches 1,32 --configs off,auto,1,2,3 --max-tokens 64 ...]
@@ -18,6 +19,7 @@ import argparse
 import sys
 import time
 from pathlib import Path
+from statistics import median
 
 import torch
 
@@ -50,6 +52,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup-tokens", type=int, default=32)
     p.add_argument("--b1-requests", type=int, default=4, help="requests timed one by one at batch 1")
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens")
+    p.add_argument("--rounds", type=int, default=3, help="timed runs per configuration, interleaved")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
@@ -99,6 +102,26 @@ def measure(engine: Engine, groups: list[list[list[int]]], params: SamplingParam
     }
 
 
+def _row(kind: str, batch: int, cfg: str, runs: list[dict], base: list[dict], st: EngineStats, n: int) -> list:
+    """One table row: medians over rounds, ratios to the baseline's run of the same round."""
+    same = sum(o == q for o, q in zip(runs[0]["outputs"], base[0]["outputs"], strict=True)) / n
+    ratio = [median(r[key] / b[key] for r, b in zip(runs, base, strict=True)) for key in ("tok/s", "decode tok/s")]
+    return [
+        kind,
+        batch,
+        cfg,
+        runs[0]["tokens"],
+        f"{median(r['tok/s'] for r in runs):.1f}",
+        f"{ratio[0]:.2f}",
+        f"{median(r['decode tok/s'] for r in runs):.1f}",
+        f"{ratio[1]:.2f}",
+        f"{st.mean_acceptance_length:.2f}",
+        f"{st.draft_acceptance_rate:.2f}",
+        f"{st.draft_tokens / max(sum(st.acceptance_lengths.values()), 1):.2f}",
+        f"{same:.2f}",
+    ]
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     setup(args.threads, args.seed)
@@ -114,36 +137,23 @@ def main(argv: list[str] | None = None) -> None:
             prompts = makers[kind](tokenizer, 2 * n, args.seed)
             timed, warm = prompts[:n], prompts[n:]
             groups = [timed[i : i + b] for i in range(0, n, b)]
-            base = None
+            engines = {}
             for cfg in args.configs:
                 mtp = int(cfg) if cfg.isdigit() else cfg
-                engine = Engine(
-                    model, EngineConfig(mtp=mtp, prefix_caching=False, max_num_seqs=max(64, b)), revision
-                )
+                engine = Engine(model, EngineConfig(mtp=mtp, prefix_caching=False, max_num_seqs=max(64, b)), revision)
                 for i in range(0, n, b):
                     run_batch(engine, warm[i : i + b], warm_params)
                 engine.stats = EngineStats()
-                r = measure(engine, groups, params)
-                base = base or r
-                st = engine.stats
-                same = sum(o == q for o, q in zip(r["outputs"], base["outputs"], strict=True)) / n
-                rows.append(
-                    [
-                        kind,
-                        b,
-                        cfg,
-                        r["tokens"],
-                        f"{r['tok/s']:.1f}",
-                        f"{r['tok/s'] / base['tok/s']:.2f}",
-                        f"{r['decode tok/s']:.1f}",
-                        f"{r['decode tok/s'] / base['decode tok/s']:.2f}",
-                        f"{st.mean_acceptance_length:.2f}",
-                        f"{st.draft_acceptance_rate:.2f}",
-                        f"{st.draft_tokens / max(sum(st.acceptance_lengths.values()), 1):.2f}",
-                        f"{same:.2f}",
-                    ]
-                )
-                print(f"{kind} batch {b} mtp={cfg}: {r['decode tok/s']:.1f} decode tok/s", file=sys.stderr)
+                engines[cfg] = engine
+            # Rounds interleave the configurations, so a slow spell of the machine hits them all alike;
+            # each ratio is taken within a round, and the median round is reported.
+            results: dict[str, list[dict]] = {cfg: [] for cfg in args.configs}
+            for _ in range(args.rounds):
+                for cfg, engine in engines.items():
+                    results[cfg].append(measure(engine, groups, params))
+            rows += [_row(kind, b, cfg, results[cfg], results[args.configs[0]], engines[cfg].stats, n)
+                     for cfg in args.configs]
+            print(f"{kind} batch {b} done", file=sys.stderr)
     print_header(
         "MTP speculative decoding",
         " ".join(["python", f"bench/{Path(__file__).name}", *(sys.argv[1:] if argv is None else argv)]),
@@ -151,8 +161,9 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"- model: `{args.model}` (float32); greedy, up to {args.max_tokens} tokens per request"
         f"{' (eos ignored)' if args.ignore_eos else ' (stops at eos)'}; prefix caching off; each configuration "
-        f"on a fresh engine after a warm-up run ({args.warmup_tokens} tokens, other prompts, same batch); "
-        f"batch 1 = {args.b1_requests} requests one after another; ratios vs `{args.configs[0]}` in the same run\n"
+        f"on its own engine after a warm-up run ({args.warmup_tokens} tokens, other prompts, same batch); "
+        f"batch 1 = {args.b1_requests} requests one after another; {args.rounds} timed rounds with the "
+        f"configurations interleaved: medians, and ratios vs `{args.configs[0]}` within a round (median)\n"
     )
     print(
         markdown_table(
