@@ -5,8 +5,9 @@ and generate exactly `--max-tokens` greedy tokens per request (glmserve: `ignore
 no eos, so neither stops early and argmax is never altered). transformers runs each concurrency
 level as one left-padded batch with its default cache; glmserve gets all requests at once and
 batches them continuously, with MTP off and with the adaptive policy (`auto`). Every system does
-one warm-up run at each concurrency level before the timed one (MTP `auto` learns its costs there).
-Prefix caching is off so repeated prompts are recomputed. `agree@16`: fraction of requests whose
+one warm-up run at each concurrency level before the timed ones (MTP `auto` learns its costs there),
+then `--rounds` rounds each time every system once (interleaved, so drifts of the machine's speed
+hit them alike): wall times are medians, ratios are taken within a round (median). Prefix caching is off so repeated prompts are recomputed. `agree@16`: fraction of requests whose
 first 16 tokens equal transformers' tokens.
 
     python bench/bench_engine_throughput.py [--concurrency 1,8,32 --max-tokens 64 ...]
@@ -19,6 +20,7 @@ import random
 import sys
 import time
 from pathlib import Path
+from statistics import median
 
 import torch
 
@@ -51,6 +53,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--min-len", type=int, default=128, help="shortest prompt, tokens")
     p.add_argument("--max-len", type=int, default=256, help="longest prompt, tokens")
     p.add_argument("--hf-attn", default="sdpa", help="transformers attn_implementation")
+    p.add_argument("--rounds", type=int, default=3, help="timed runs per system, interleaved")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
@@ -128,26 +131,28 @@ def main(argv: list[str] | None = None) -> None:
     for c in args.concurrency:
         batch = prompts[:c]
         run_transformers(hf, batch, WARMUP_TOKENS, pad_id)
-        hf_s, hf_out = run_transformers(hf, batch, args.max_tokens, pad_id)
-        base = c * args.max_tokens / hf_s
-        rows.append([c, f"transformers ({args.hf_attn})", f"{hf_s:.2f}", f"{base:.1f}", "1.00", "1.00", "-"])
-        for mtp, engine in engines.items():
+        for engine in engines.values():
             run_glmserve(engine, batch, WARMUP_TOKENS)
-            engine.stats = EngineStats()  # count the timed run only
-            s, out = run_glmserve(engine, batch, args.max_tokens)
-            rate = c * args.max_tokens / s
+            engine.stats = EngineStats()  # count the timed runs only
+        # Rounds interleave the systems, so a slow spell of the machine hits them all alike; each ratio
+        # is taken within a round, and the median is reported.
+        seconds: dict[str, list[float]] = {name: [] for name in ("hf", *engines)}
+        outputs = {}
+        for _ in range(args.rounds):
+            s, outputs["hf"] = run_transformers(hf, batch, args.max_tokens, pad_id)
+            seconds["hf"].append(s)
+            for mtp, engine in engines.items():
+                s, outputs[mtp] = run_glmserve(engine, batch, args.max_tokens)
+                seconds[mtp].append(s)
+        hf_s = median(seconds["hf"])
+        rows.append([c, f"transformers ({args.hf_attn})", f"{hf_s:.2f}", f"{c * args.max_tokens / hf_s:.1f}",
+                     "1.00", "1.00", "-"])
+        for mtp, engine in engines.items():
+            s = median(seconds[mtp])
+            ratio = median(h / g for h, g in zip(seconds["hf"], seconds[mtp], strict=True))
             accept = f"{engine.stats.mean_acceptance_length:.2f}" if mtp == "auto" else "-"
-            rows.append(
-                [
-                    c,
-                    f"glmserve mtp={mtp}",
-                    f"{s:.2f}",
-                    f"{rate:.1f}",
-                    f"{rate / base:.2f}",
-                    f"{agreement(out, hf_out):.2f}",
-                    accept,
-                ]
-            )
+            rows.append([c, f"glmserve mtp={mtp}", f"{s:.2f}", f"{c * args.max_tokens / s:.1f}", f"{ratio:.2f}",
+                         f"{agreement(outputs[mtp], outputs['hf']):.2f}", accept])
         print(f"concurrency {c} done", file=sys.stderr)
     print_header(
         "Engine throughput: glmserve vs transformers",
@@ -155,7 +160,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     print(
         f"- model: `{args.model}` (float32); prompts {args.min_len}-{args.max_len} tokens of held-out stdlib "
-        f"source; {args.max_tokens} greedy tokens per request; prefix caching off; warm-up run first\n"
+        f"source; {args.max_tokens} greedy tokens per request; prefix caching off; warm-up run first, "
+        f"then {args.rounds} interleaved rounds (medians; ratios within a round)\n"
     )
     print(
         markdown_table(
