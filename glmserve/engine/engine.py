@@ -402,9 +402,10 @@ class Engine:
             req.mtp_synced, req.mtp_pending = req.num_computed, []
         if not reqs:
             return k
-        result = self.runner.run_mtp(reqs, starts, hidden, next_tokens)
-        if k == 0:
+        if k == 0:  # no draft wanted: the MTP layer's KV is all that is needed
+            self.runner.store_mtp_kv(reqs, starts, hidden, next_tokens)
             return k
+        result = self.runner.run_mtp(reqs, starts, hidden, next_tokens)
         picks = [
             i for i, r in enumerate(reqs)
             if not r.in_prefill and not r.is_finished and self.kv.ensure(r, r.num_computed + k + 1)

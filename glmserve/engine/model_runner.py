@@ -69,6 +69,14 @@ class ModelRunner:
         return MainResult(per_item, logits)
 
     @torch.inference_mode()
+    def store_mtp_kv(
+        self, reqs: list[Request], starts: list[int], hidden: list[torch.Tensor], next_tokens: list[list[int]]
+    ) -> None:
+        """Only the MTP layer's KV at those positions (inputs as in `run_mtp`), no outputs."""
+        batch = self._batch(next_tokens, starts, reqs)
+        self.model.mtp_step_kv(self.model.context(batch, self.cache), torch.cat(hidden))
+
+    @torch.inference_mode()
     def run_mtp(
         self,
         reqs: list[Request],
@@ -86,10 +94,8 @@ class ModelRunner:
         kv_rows = [len(t) - 1 if len(t) > KV_ONLY_MIN_POSITIONS else 0 for t in next_tokens]
         if any(kv_rows):
             keep = [i for i, n in enumerate(kv_rows) if n]
-            kv_batch = self._batch([next_tokens[i][: kv_rows[i]] for i in keep], [starts[i] for i in keep],
-                                   [reqs[i] for i in keep])
-            kv_hidden = torch.cat([hidden[i][: kv_rows[i]] for i in keep])
-            self.model.mtp_step_kv(self.model.context(kv_batch, self.cache), kv_hidden)
+            self.store_mtp_kv([reqs[i] for i in keep], [starts[i] for i in keep],
+                              [hidden[i][: kv_rows[i]] for i in keep], [next_tokens[i][: kv_rows[i]] for i in keep])
         tokens = [t[n:] for t, n in zip(next_tokens, kv_rows, strict=True)]
         batch = self._batch(tokens, [s + n for s, n in zip(starts, kv_rows, strict=True)], reqs)
         rows = torch.cat([h[n:] for h, n in zip(hidden, kv_rows, strict=True)])
