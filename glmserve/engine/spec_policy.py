@@ -1,50 +1,53 @@
 """SpecPolicy: how many MTP drafts to propose next step, chosen from what each choice really gave.
 
-For each batch-size bucket (powers of two) and each k in 0..max_drafts it keeps the last few wall
-times of a pure decode step's forward that verified k drafts and of the drafting that proposed k
-drafts (MTP forwards, catching up deferred positions included), and for each k the tokens a request
-gained per step. A step's forward verifies the drafts chosen one step earlier, while its drafting
-serves the next step, so the two are recorded under their own k. Rate = tokens per second. Everything
-the engine spends on speculation is in the measured times, so when speculation does not pay (large
-batches, low acceptance) k = 0 wins.
+Per batch-size bucket (powers of two) there is an incumbent k, used every step. Now and then another k
+is tried in a probe: for 2 * PROBE_PAIRS steps the probed k and the incumbent alternate, and each
+step's forward (which verified the drafts chosen one step earlier) and drafting (which serves the next
+step) are recorded under their own k. Alternating steps see the same machine: step times on a shared
+machine drift by tens of percent within seconds, and comparing a probe with older numbers mistakes the
+drift for a difference. Rate = tokens per request per step / (forward + drafting seconds), medians of
+the probe's samples; tokens per step come from every step that verified drafts. Everything speculation
+costs is in the measured times, so where it does not pay (large batches, low acceptance) k = 0 wins.
 
-Step times are noisy and drift (other processes, the host, context growth), so only measurements
-close in time are compared. Each bucket has an incumbent k, run (and measured) every step. Another k
-is tried as a probe: PROBE_STEPS consecutive steps, enough for most of its WINDOW samples to be fresh;
-right after a probe the probed k replaces the incumbent if it is faster (a k > 0 must be faster by
-MARGIN than k = 0's own measurements suggest: a tie is a loss once exploring is counted). A k that
-wins is followed at once by a probe of k + 1 (longer drafts are tried only while drafting pays).
-Probes come first after `explore_every` steps; each one that leaves the incumbent in place doubles the
-wait (up to MAX_EXPLORE_EVERY), so a bucket where speculation keeps losing (large batches) rarely pays
-for trying it again. While speculating, probes try one draft fewer and one more in turn.
+The probed k replaces the incumbent when faster by HYSTERESIS, and a k > 0 must also beat k = 0 by
+MARGIN (a tie is a loss once probing is counted). A k that wins is followed at once by a probe of k + 1
+(longer drafts are tried only while drafting pays). A new bucket probes k = 1 against k = 0 first.
+Probes come after `explore_every` steps; each one that leaves the incumbent in place doubles the wait
+(up to MAX_EXPLORE_EVERY), so a bucket where speculation keeps losing (large batches) rarely pays for
+trying it again. While speculating, probes try one draft fewer and one more in turn.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass, field
 from statistics import median
 
-WINDOW = 7  # samples per estimate
-PROBE_STEPS = 4  # consecutive steps a probed k runs: a majority of its WINDOW samples
+PROBE_PAIRS = 4  # steps of each side in a probe
 # A k > 0 must beat k = 0 by this fraction: step times are noisy, and a tie is a loss once the cost
-# of exploring is counted.
+# of probing is counted.
 MARGIN = 0.10
-MAX_EXPLORE_EVERY = 512
 HYSTERESIS = 0.03  # a probed k replaces the incumbent only when this much faster (no flip-flopping)
+MAX_EXPLORE_EVERY = 512
+TOKENS_WINDOW = 32  # steps whose tokens gained per request estimate a k's acceptance
 
 
-class Samples:
-    """The last WINDOW observations."""
+@dataclass
+class Probe:
+    k: int
+    incumbent: int
+    left: int = 2 * PROBE_PAIRS  # choices still to make, alternating k and the incumbent
+    forward: dict[int, list[float]] = field(default_factory=dict)  # k -> seconds of its steps' forwards
+    drafting: dict[int, list[float]] = field(default_factory=dict)
 
-    def __init__(self) -> None:
-        self.values: deque[float] = deque(maxlen=WINDOW)
-
-    def add(self, x: float) -> None:
-        self.values.append(x)
+    def next_choice(self) -> int:
+        self.left -= 1
+        return self.k if self.left % 2 else self.incumbent
 
     @property
-    def estimate(self) -> float:
-        return median(self.values)
+    def complete(self) -> bool:
+        sides = (self.k, self.incumbent)
+        return all(len(d.get(k, ())) >= PROBE_PAIRS for d in (self.forward, self.drafting) for k in sides)
 
 
 class SpecPolicy:
@@ -53,12 +56,9 @@ class SpecPolicy:
             raise ValueError("max_drafts: must be >= 0")
         self.max_drafts = max_drafts
         self.explore_every = explore_every
-        self.step_seconds: dict[tuple[int, int], Samples] = {}
-        self.draft_seconds: dict[tuple[int, int], Samples] = {}
-        self.tokens_per_step: dict[int, Samples] = {}
+        self.tokens_per_step: dict[int, deque[float]] = {}
         self._current: dict[int, int] = {}  # bucket -> incumbent k
-        self._probes: dict[int, tuple[int, int]] = {}  # bucket -> (k being probed, steps left)
-        self._probed: dict[int, int] = {}  # bucket -> k whose probe just ended, not yet judged
+        self._probes: dict[int, Probe] = {}
         self._wait: dict[int, tuple[int, int]] = {}  # bucket -> (steps left until a probe, wait)
         self._turns: dict[int, int] = {}  # bucket -> probes made while speculating (alternates their k)
 
@@ -71,26 +71,19 @@ class SpecPolicy:
         verified `drafts` drafts each."""
         if drafts > self.max_drafts or batch_size == 0:
             return
-        self.step_seconds.setdefault((self.bucket(batch_size), drafts), Samples()).add(seconds)
         if drafts:
-            self.tokens_per_step.setdefault(drafts, Samples()).add(tokens_gained / batch_size)
+            self.tokens_per_step.setdefault(drafts, deque(maxlen=TOKENS_WINDOW)).append(tokens_gained / batch_size)
+        probe = self._probes.get(self.bucket(batch_size))
+        if probe is not None and drafts in (probe.k, probe.incumbent):
+            probe.forward.setdefault(drafts, []).append(seconds)
 
     def record_drafting(self, batch_size: int, drafts: int, seconds: float) -> None:
         """Drafting `drafts` tokens for each of `batch_size` decoding requests took `seconds`."""
         if drafts > self.max_drafts or batch_size == 0:
             return
-        self.draft_seconds.setdefault((self.bucket(batch_size), drafts), Samples()).add(seconds)
-
-    def _rate(self, bucket: int, k: int) -> float | None:
-        """Tokens per second with k drafts in this bucket, k > 0 discounted by MARGIN; None until
-        measured."""
-        step = self.step_seconds.get((bucket, k))
-        if k == 0:
-            return None if step is None else 1.0 / step.estimate
-        gain, draft = self.tokens_per_step.get(k), self.draft_seconds.get((bucket, k))
-        if step is None or gain is None or draft is None:
-            return None
-        return gain.estimate / (step.estimate + draft.estimate) / (1 + MARGIN)
+        probe = self._probes.get(self.bucket(batch_size))
+        if probe is not None and drafts in (probe.k, probe.incumbent):
+            probe.drafting.setdefault(drafts, []).append(seconds)
 
     def choose(self, batch_size: int, measurable: bool = True) -> int:
         """Drafts per request for the next step of a batch of `batch_size` decoding requests.
@@ -103,22 +96,39 @@ class SpecPolicy:
         b = self.bucket(batch_size)
         if not measurable:
             return self._settled(b)
-        if b in self._probes:
-            return self._continue_probe(b)
-        if b not in self._current:  # a new bucket: k = 0 first, then a probe of k = 1 right after
+        if b not in self._current:  # a new bucket: one draft against none first
             self._current[b] = 0
-            self._wait[b] = (1, self.explore_every // 2)
-            return self._start_probe(b, 0)
-        current, probed = self._current[b], self._probed.pop(b, None)
-        if probed is not None and probed != current and self._faster(b, probed, current):
-            self._current[b] = probed
-            self._wait[b] = (2 * PROBE_STEPS, self.explore_every // 2)  # soon re-check the old choice
-            if current < probed < self.max_drafts:
-                return self._start_probe(b, probed + 1)  # k paid: try one more draft
-            return probed
+            self._wait[b] = (self.explore_every, self.explore_every)
+            return self._start_probe(b, 1)
+        probe = self._probes.get(b)
+        if probe is not None:
+            if probe.left:
+                return probe.next_choice()
+            if not probe.complete:  # the last forward of the probe is recorded after this choice
+                return probe.incumbent
+            del self._probes[b]
+            if self._judge(b, probe) and probe.incumbent < probe.k < self.max_drafts:
+                return self._start_probe(b, probe.k + 1)  # k paid: try one more draft
         if self._probe_due(b):
-            return self._start_probe(b, self._neighbour(b, current))
-        return current
+            return self._start_probe(b, self._neighbour(b, self._current[b]))
+        return self._current[b]
+
+    def _judge(self, bucket: int, probe: Probe) -> bool:
+        """Whether the probed k replaces the incumbent (then it does)."""
+        probed, incumbent = self._rate(probe, probe.k), self._rate(probe, probe.incumbent)
+        if probed is None or incumbent is None or probed <= incumbent * (1 + HYSTERESIS):
+            return False
+        self._current[bucket] = probe.k
+        self._wait[bucket] = (2 * PROBE_PAIRS, self.explore_every)  # soon re-check the old choice
+        return True
+
+    def _rate(self, probe: Probe, k: int) -> float | None:
+        """Tokens per request per second with k drafts, k > 0 discounted by MARGIN."""
+        seconds = median(probe.forward[k]) + median(probe.drafting[k])
+        if k == 0:
+            return 1.0 / seconds
+        tokens = self.tokens_per_step.get(k)
+        return None if not tokens else median(tokens) / seconds / (1 + MARGIN)
 
     def _neighbour(self, bucket: int, current: int) -> int:
         """What a probe tries: k = 1 from k = 0, else one draft fewer and one more in turn."""
@@ -126,10 +136,6 @@ class SpecPolicy:
             return 1
         self._turns[bucket] = self._turns.get(bucket, 0) + 1
         return current + 1 if self._turns[bucket] % 2 == 0 and current < self.max_drafts else current - 1
-
-    def _faster(self, bucket: int, k: int, than: int) -> bool:
-        rate, other = self._rate(bucket, k), self._rate(bucket, than)
-        return rate is not None and (other is None or rate > other * (1 + HYSTERESIS))
 
     def _probe_due(self, bucket: int) -> bool:
         """Counts down to the next probe; each probe doubles the wait until the incumbent changes."""
@@ -148,15 +154,6 @@ class SpecPolicy:
         return self._current[nearest]
 
     def _start_probe(self, bucket: int, k: int) -> int:
-        """Run k for PROBE_STEPS steps: most of its window is then fresh."""
-        self._probes[bucket] = (k, PROBE_STEPS)
-        return self._continue_probe(bucket)
-
-    def _continue_probe(self, bucket: int) -> int:
-        k, left = self._probes[bucket]
-        if left > 1:
-            self._probes[bucket] = (k, left - 1)
-        else:
-            del self._probes[bucket]
-            self._probed[bucket] = k
-        return k
+        probe = Probe(k, self._current[bucket])
+        self._probes[bucket] = probe
+        return probe.next_choice()

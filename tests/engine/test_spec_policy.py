@@ -1,7 +1,7 @@
 """SpecPolicy picks the number of drafts that gives the most tokens per second, per batch size.
 
-`_run` drives the policy as the engine does: each step records the forward that verified the previous
-step's drafts, then asks for the next k and records the drafting that k cost.
+`_run` drives the policy as the engine does: each step's forward verifies the previous step's drafts;
+then the next k is chosen, and the forward and the drafting of that k are recorded.
 """
 
 from __future__ import annotations
@@ -10,7 +10,9 @@ import random
 
 import pytest
 
-from glmserve.engine.spec_policy import PROBE_STEPS, SpecPolicy
+from glmserve.engine.spec_policy import PROBE_PAIRS, SpecPolicy
+
+PROBE = 2 * PROBE_PAIRS  # steps of a probe
 
 # Costs of one step (ms of the forward that verified k drafts, ms of drafting k) and tokens a request
 # gains per step, shaped like the bundled model on 2 cores.
@@ -26,10 +28,11 @@ def _run(policy, batch, costs, steps, noise=0.0, spike=0.0, seed=0, measurable=T
     def jitter(ms: float) -> float:
         return ms * rng.lognormvariate(0, noise) * (2 if rng.random() < spike else 1) / 1000
 
-    for _ in range(steps):
-        policy.record_step(batch, k, jitter(step_ms[k]), tokens[k] * batch)
-        k = policy.choose(batch, measurable)
+    for _ in range(steps):  # as Engine.step: the forward, the next choice, then both recorded
+        forward = jitter(step_ms[k])
+        verified, k = k, policy.choose(batch, measurable)
         picks.append(k)
+        policy.record_step(batch, verified, forward, tokens[verified] * batch)
         policy.record_drafting(batch, k, jitter(draft_ms[k]))
     return picks
 
@@ -45,43 +48,44 @@ def _runs(picks: list[int]) -> list[tuple[int, int]]:
     return out
 
 
-def test_a_new_batch_size_measures_no_drafts_then_one_draft():
-    picks = _run(SpecPolicy(max_drafts=3), 32, LARGE_BATCH, 2 * PROBE_STEPS + 1)
-    assert picks == [0] * PROBE_STEPS + [1] * PROBE_STEPS + [0]
+def test_a_new_batch_size_probes_one_draft_against_none():
+    picks = _run(SpecPolicy(max_drafts=3), 32, LARGE_BATCH, PROBE + 10)
+    assert picks[:PROBE] == [1, 0] * PROBE_PAIRS  # alternating: both sides see the same machine
+    assert picks[PROBE:] == [0] * 10  # one draft lost
 
 
 def test_speculates_when_drafts_pay_and_finds_the_best_length():
     picks = _run(SpecPolicy(max_drafts=3), 1, SMALL_BATCH, 400)
-    assert picks[: 3 * PROBE_STEPS] == [0] * PROBE_STEPS + [1] * PROBE_STEPS + [2] * PROBE_STEPS  # k = 1 won
+    assert picks[: 2 * PROBE] == [1, 0] * PROBE_PAIRS + [2, 1] * PROBE_PAIRS  # k = 1 won: try k = 2
     assert picks[50:].count(1) >= 0.9 * 350  # k = 1: 1.7 / 15.5 ms beats 2.0 / 19 ms and 2.2 / 23 ms
 
 
 def test_stops_speculating_where_it_does_not_pay():
     picks = _run(SpecPolicy(max_drafts=3), 32, LARGE_BATCH, 400)
-    assert picks[2 * PROBE_STEPS :].count(0) >= 0.95 * (400 - 2 * PROBE_STEPS)
+    assert picks[PROBE:].count(0) >= 0.95 * (400 - PROBE)
     assert 2 not in picks and 3 not in picks  # one draft lost: longer drafts are never tried
 
 
 def test_probes_back_off_while_the_choice_holds():
-    picks = _run(SpecPolicy(max_drafts=3, explore_every=8), 32, LARGE_BATCH, 200)
-    probe_starts = [i for i, k in enumerate(picks) if k and not (i and picks[i - 1])]
+    picks = _run(SpecPolicy(max_drafts=3, explore_every=8), 32, LARGE_BATCH, 300)
+    probe_starts = [i for i, k in enumerate(picks) if k and (i < 2 or not picks[i - 2])]
     gaps = [b - a for a, b in zip(probe_starts, probe_starts[1:], strict=False)]
     assert len(gaps) >= 3 and all(later > earlier for earlier, later in zip(gaps, gaps[1:], strict=False))
-    assert all(n == PROBE_STEPS for k, n in _runs(picks) if k)
+    assert picks.count(1) == PROBE_PAIRS * len(probe_starts) and set(picks) == {0, 1}
 
 
 def test_a_marginal_gain_does_not_turn_speculation_on():
     # k = 1 gives 5% more tokens/s than k = 0: inside the margin, not worth speculating.
     costs = ([10, 15.0, 99, 99], [0.05, 1.19, 99, 99], [1, 1.7, 1, 1])
     picks = _run(SpecPolicy(max_drafts=1), 8, costs, 200)
-    assert picks[2 * PROBE_STEPS :].count(0) >= 0.9 * (200 - 2 * PROBE_STEPS)  # all but backed-off probes
+    assert picks[PROBE:].count(0) >= 0.9 * (200 - PROBE)  # all but the backed-off probes
 
 
 def test_drafting_is_charged_to_the_drafts_it_made():
     """A cheap verification does not hide expensive drafting: 1.7 / (55 + 30) ms < 1 / 50 ms."""
     costs = ([50, 55, 99, 99], [0.05, 30, 99, 99], [1, 1.7, 1, 1])
     picks = _run(SpecPolicy(max_drafts=1), 32, costs, 200)
-    assert picks[2 * PROBE_STEPS :].count(0) >= 0.9 * (200 - 2 * PROBE_STEPS)
+    assert picks[PROBE:].count(0) >= 0.9 * (200 - PROBE)
 
 
 def test_a_switch_is_rechecked_soon():
@@ -90,10 +94,10 @@ def test_a_switch_is_rechecked_soon():
     policy = SpecPolicy(max_drafts=1, explore_every=8)
     _run(policy, 8, ([10, 30, 0, 0], [0.05, 5, 0, 0], [1, 1.7, 0, 0]), 100)  # drafts lose
     picks = _run(policy, 8, ([10, 11, 0, 0], [0.05, 1, 0, 0], [1, 1.7, 0, 0]), 300)
-    first = picks.index(1)
-    after = picks[first + PROBE_STEPS :]
+    switch = next(i for i in range(len(picks)) if picks[i : i + PROBE + 1] == [1, 0] * PROBE_PAIRS + [1])
+    after = picks[switch + PROBE :]
     assert after.count(1) >= 0.85 * len(after)  # it switched to k = 1 ...
-    assert 0 in after[: 3 * PROBE_STEPS]  # ... and re-checked k = 0 within a few steps
+    assert 0 in after[1 : 4 * PROBE_PAIRS]  # ... and re-checked k = 0 within a few steps
 
 
 def test_steps_that_will_not_be_measured_get_a_settled_choice_and_no_probe():
@@ -103,7 +107,7 @@ def test_steps_that_will_not_be_measured_get_a_settled_choice_and_no_probe():
     assert policy.choose(3, measurable=False) == 1  # same bucket
     assert policy.choose(8, measurable=False) == 1  # nearest measured bucket
     assert _run(policy, 32, SMALL_BATCH, 50, measurable=False, start_k=1) == [1] * 50  # never probes
-    assert policy.choose(32) == 0  # a measurable step starts measuring the new bucket
+    assert policy.choose(32) == 1  # a measurable step starts probing the new bucket: one draft first
 
 
 @pytest.mark.parametrize("seed", range(4))
