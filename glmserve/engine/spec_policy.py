@@ -26,7 +26,7 @@ from statistics import median
 PROBE_PAIRS = 4  # steps of each side in a probe
 # A k > 0 must beat k = 0 by this fraction: step times are noisy, and a tie is a loss once the cost
 # of probing is counted.
-MARGIN = 0.10
+MARGIN = 0.05
 HYSTERESIS = 0.03  # a probed k replaces the incumbent only when this much faster (no flip-flopping)
 MAX_EXPLORE_EVERY = 512
 TOKENS_WINDOW = 32  # steps whose tokens gained per request estimate a k's acceptance
@@ -40,14 +40,15 @@ class Probe:
     forward: dict[int, list[float]] = field(default_factory=dict)  # k -> seconds of its steps' forwards
     drafting: dict[int, list[float]] = field(default_factory=dict)
 
+    overtime: int = 0  # choices made since the last alternation while samples were still missing
+
     def next_choice(self) -> int:
         self.left -= 1
         return self.k if self.left % 2 else self.incumbent
 
-    @property
-    def complete(self) -> bool:
+    def has(self, samples: int) -> bool:
         sides = (self.k, self.incumbent)
-        return all(len(d.get(k, ())) >= PROBE_PAIRS for d in (self.forward, self.drafting) for k in sides)
+        return all(len(d.get(k, ())) >= samples for d in (self.forward, self.drafting) for k in sides)
 
 
 class SpecPolicy:
@@ -104,10 +105,13 @@ class SpecPolicy:
         if probe is not None:
             if probe.left:
                 return probe.next_choice()
-            if not probe.complete:  # the last forward of the probe is recorded after this choice
+            # The probe's last forward is recorded after this choice; steps that were not measured
+            # (requests finishing, prompts joining) can leave a few samples missing for good.
+            if not probe.has(PROBE_PAIRS) and probe.overtime < PROBE_PAIRS:
+                probe.overtime += 1
                 return probe.incumbent
             del self._probes[b]
-            if self._judge(b, probe) and probe.incumbent < probe.k < self.max_drafts:
+            if probe.has(2) and self._judge(b, probe) and probe.incumbent < probe.k < self.max_drafts:
                 return self._start_probe(b, probe.k + 1)  # k paid: try one more draft
         if self._probe_due(b):
             return self._start_probe(b, self._neighbour(b, self._current[b]))

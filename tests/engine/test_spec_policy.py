@@ -122,3 +122,18 @@ def test_noisy_step_times_keep_the_right_choice(seed):
 def test_rejects_bad_max_drafts():
     with pytest.raises(ValueError, match="max_drafts"):
         SpecPolicy(max_drafts=-1)
+
+
+def test_a_probe_missing_samples_ends_anyway():
+    """Steps that are not measured (a request finished, a prompt joined) can leave a probe without
+    some samples for good: it still ends, and later probes happen."""
+    policy = SpecPolicy(max_drafts=1, explore_every=8)
+    k, picks = 0, []
+    for step in range(200):
+        verified, k = k, policy.choose(1)
+        picks.append(k)
+        policy.record_step(1, verified, 0.012 if verified else 0.010, 1.7 if verified else 1)
+        if step != 2:  # the second drafting of the first probe is never recorded
+            policy.record_drafting(1, k, 0.003 if k else 0.0)
+    probe_starts = [i for i, k in enumerate(picks) if k and (i < 2 or not picks[i - 2])]
+    assert len(probe_starts) >= 3
