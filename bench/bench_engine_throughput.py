@@ -7,7 +7,7 @@ level as one left-padded batch with its default cache; glmserve gets all request
 batches them continuously, with MTP off and with the adaptive policy (`auto`). Every system does
 one warm-up run at each concurrency level before the timed ones (MTP `auto` learns its costs there),
 then `--rounds` rounds each time every system once (interleaved, so drifts of the machine's speed
-hit them alike): wall times are medians, ratios are taken within a round (median). Prefix caching is off so repeated prompts are recomputed. `agree@16`: fraction of requests whose
+hit them alike, and in rotating order): wall times are medians, ratios are taken within a round (median). Prefix caching is off so repeated prompts are recomputed. `agree@16`: fraction of requests whose
 first 16 tokens equal transformers' tokens.
 
     python bench/bench_engine_throughput.py [--concurrency 1,8,32 --max-tokens 64 ...]
@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from bench.common import markdown_table, print_header, setup  # noqa: E402
+from bench.common import markdown_table, print_header, rotated, setup  # noqa: E402
 from glmserve.engine.engine import Engine, EngineConfig  # noqa: E402
 from glmserve.engine.engine_stats import EngineStats  # noqa: E402
 from glmserve.engine.sampling_params import SamplingParams  # noqa: E402
@@ -134,16 +134,18 @@ def main(argv: list[str] | None = None) -> None:
         for engine in engines.values():
             run_glmserve(engine, batch, WARMUP_TOKENS)
             engine.stats = EngineStats()  # count the timed runs only
-        # Rounds interleave the systems, so a slow spell of the machine hits them all alike; each ratio
-        # is taken within a round, and the median is reported.
+        # Rounds interleave the systems, so a slow spell of the machine hits them all alike, and rotate
+        # their order (the run after another system's is not the same as the first); each ratio is
+        # taken within a round, and the median is reported.
         seconds: dict[str, list[float]] = {name: [] for name in ("hf", *engines)}
         outputs = {}
-        for _ in range(args.rounds):
-            s, outputs["hf"] = run_transformers(hf, batch, args.max_tokens, pad_id)
-            seconds["hf"].append(s)
-            for mtp, engine in engines.items():
-                s, outputs[mtp] = run_glmserve(engine, batch, args.max_tokens)
-                seconds[mtp].append(s)
+        for r in range(args.rounds):
+            for name in rotated(list(seconds), r):  # each system takes every place in the order
+                if name == "hf":
+                    s, outputs[name] = run_transformers(hf, batch, args.max_tokens, pad_id)
+                else:
+                    s, outputs[name] = run_glmserve(engines[name], batch, args.max_tokens)
+                seconds[name].append(s)
         hf_s = median(seconds["hf"])
         rows.append([c, f"transformers ({args.hf_attn})", f"{hf_s:.2f}", f"{c * args.max_tokens / hf_s:.1f}",
                      "1.00", "1.00", "-"])
@@ -161,7 +163,7 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"- model: `{args.model}` (float32); prompts {args.min_len}-{args.max_len} tokens of held-out stdlib "
         f"source; {args.max_tokens} greedy tokens per request; prefix caching off; warm-up run first, "
-        f"then {args.rounds} interleaved rounds (medians; ratios within a round)\n"
+        f"then {args.rounds} interleaved rounds in rotating order (medians; ratios within a round)\n"
     )
     print(
         markdown_table(

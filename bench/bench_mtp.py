@@ -28,7 +28,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench.bench_engine_throughput import code_prompts  # noqa: E402
-from bench.common import markdown_table, print_header, setup  # noqa: E402
+from bench.common import markdown_table, print_header, rotated, setup  # noqa: E402
 from glmserve.engine.engine import Engine, EngineConfig  # noqa: E402
 from glmserve.engine.engine_stats import EngineStats  # noqa: E402
 from glmserve.engine.sampling_params import SamplingParams  # noqa: E402
@@ -148,9 +148,9 @@ def main(argv: list[str] | None = None) -> None:
             # Rounds interleave the configurations, so a slow spell of the machine hits them all alike;
             # each ratio is taken within a round, and the median round is reported.
             results: dict[str, list[dict]] = {cfg: [] for cfg in args.configs}
-            for _ in range(args.rounds):
-                for cfg, engine in engines.items():
-                    results[cfg].append(measure(engine, groups, params))
+            for r in range(args.rounds):
+                for cfg in rotated(args.configs, r):  # each configuration takes other places in the order
+                    results[cfg].append(measure(engines[cfg], groups, params))
             rows += [_row(kind, b, cfg, results[cfg], results[args.configs[0]], engines[cfg].stats, n)
                      for cfg in args.configs]
             print(f"{kind} batch {b} done", file=sys.stderr)
@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> None:
         f"{' (eos ignored)' if args.ignore_eos else ' (stops at eos)'}; prefix caching off; each configuration "
         f"on its own engine after a warm-up run ({args.warmup_tokens} tokens, other prompts, same batch); "
         f"batch 1 = {args.b1_requests} requests one after another; {args.rounds} timed rounds with the "
-        f"configurations interleaved: medians, and ratios vs `{args.configs[0]}` within a round (median)\n"
+        f"configurations interleaved in rotating order: medians, and ratios vs `{args.configs[0]}` within a round (median)\n"
     )
     print(
         markdown_table(

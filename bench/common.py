@@ -212,3 +212,10 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str
     lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
     lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def rotated(items: list, shift: int) -> list:
+    """`items` starting at position `shift` (mod len): round r of an interleaved benchmark runs the
+    systems in this order, so each takes every place (the first run after a long one differs)."""
+    shift %= len(items)
+    return items[shift:] + items[:shift]
