@@ -11,7 +11,10 @@ costs is in the measured times, so where it does not pay (large batches, low acc
 
 The probed k replaces the incumbent when faster by HYSTERESIS, and a k > 0 must also beat k = 0 by
 MARGIN (a tie is a loss once probing is counted). A k that wins is followed at once by a probe of k + 1
-(longer drafts are tried only while drafting pays). A new bucket probes k = 1 against k = 0 first.
+(longer drafts are tried only while drafting pays). The first bucket probes k = 1 against k = 0 at
+once; a later new one (a batch growing or shrinking) starts from the incumbent of the nearest
+measured bucket and probes after the usual wait, so a batch passing through sizes quickly is not all
+probes.
 Probes come after `explore_every` steps; each one that leaves the incumbent in place doubles the wait
 (up to MAX_EXPLORE_EVERY), so a bucket where speculation keeps losing (large batches) rarely pays for
 trying it again. While speculating, probes try one draft fewer and one more in turn.
@@ -97,8 +100,12 @@ class SpecPolicy:
         b = self.bucket(batch_size)
         if not measurable:
             return self._settled(b)
-        if b not in self._current:  # a new bucket: one draft against none first
-            self._current[b] = 0
+        if b not in self._current:
+            if self._current:  # start from the nearest measured batch size; probe after the usual wait
+                self._current[b] = self._settled(b)
+                self._wait[b] = (self.explore_every, self.explore_every)
+                return self._current[b]
+            self._current[b] = 0  # the very first batch size: one draft against none first
             self._wait[b] = (self.explore_every, self.explore_every)
             return self._start_probe(b, 1)
         probe = self._probes.get(b)

@@ -107,7 +107,7 @@ def test_steps_that_will_not_be_measured_get_a_settled_choice_and_no_probe():
     assert policy.choose(3, measurable=False) == 1  # same bucket
     assert policy.choose(8, measurable=False) == 1  # nearest measured bucket
     assert _run(policy, 32, SMALL_BATCH, 50, measurable=False, start_k=1) == [1] * 50  # never probes
-    assert policy.choose(32) == 1  # a measurable step starts probing the new bucket: one draft first
+    assert policy.choose(32) == 1  # a new bucket starts from the nearest measured one's choice
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -137,3 +137,14 @@ def test_a_probe_missing_samples_ends_anyway():
             policy.record_drafting(1, k, 0.003 if k else 0.0)
     probe_starts = [i for i, k in enumerate(picks) if k and (i < 2 or not picks[i - 2])]
     assert len(probe_starts) >= 3
+
+
+def test_a_shrinking_batch_starts_each_new_size_from_the_nearest_choice():
+    """Chat batches shrink through several sizes as requests finish: a new size starts from the nearest
+    measured size's choice and probes only after the usual wait, not at once."""
+    policy = SpecPolicy(max_drafts=3, explore_every=24)
+    _run(policy, 32, LARGE_BATCH, 100)
+    assert _run(policy, 16, LARGE_BATCH, 20) == [0] * 20
+    assert _run(policy, 8, LARGE_BATCH, 20) == [0] * 20
+    assert 1 in _run(policy, 8, LARGE_BATCH, 20)  # the wait is over: now it probes
+
