@@ -1,11 +1,9 @@
 """The router as a real process on 127.0.0.1 for tests: ``RouterProcess.launch(...)`` starts
 ``python -m glmserve.services.router.main`` on a free port and waits for its ``READY`` line and
-``/ready``; ``stop()`` sends SIGTERM. ``metrics()`` parses its ``/metrics``."""
+``/ready``; ``stop()`` sends SIGTERM, ``kill()`` is kill -9. ``metrics()`` parses its ``/metrics``."""
 
 from __future__ import annotations
 
-import os
-import selectors
 import signal
 import subprocess
 import sys
@@ -14,7 +12,7 @@ from pathlib import Path
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
-from worker_fixtures import MODEL_DIR, REPO
+from worker_fixtures import MODEL_DIR, read_ready_address, spawn_service
 
 
 class RouterProcess:
@@ -29,33 +27,15 @@ class RouterProcess:
                "--decode", ",".join(decode), "--poll-interval", "0.2", *extra]
         if kvstore is not None:
             cmd += ["--kvstore", kvstore]
-        path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
-        env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
-        with open(log, "ab") as err:
-            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, env=env, cwd=REPO)
-        router = cls(proc, log)
-        router._wait(timeout_s)
-        return router
-
-    def _wait(self, timeout_s: float) -> None:
-        assert self.proc.stdout is not None
+        router = cls(spawn_service(cmd, log), log)
         deadline = time.monotonic() + timeout_s
-        with selectors.DefaultSelector() as sel:
-            sel.register(self.proc.stdout, selectors.EVENT_READ)
-            while not self.url:
-                if time.monotonic() > deadline or not sel.select(max(0.0, deadline - time.monotonic())):
-                    self.stop()
-                    raise RuntimeError(f"router not ready:\n{self.log.read_text()}")
-                line = self.proc.stdout.readline().decode()
-                if not line:
-                    raise RuntimeError(f"router exited:\n{self.log.read_text()}")
-                if line.startswith("READY "):
-                    self.url = line.split()[1]
-        while self.ready().status_code != 200:
+        router.url = read_ready_address(router.proc, log, "router", timeout_s)
+        while router.ready().status_code != 200:
             if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"router never ready:\n{self.log.read_text()}")
+                router.kill()
+                raise RuntimeError(f"router never ready:\n{log.read_text()}")
             time.sleep(0.1)
+        return router
 
     def ready(self) -> httpx.Response:
         return httpx.get(f"{self.url}/ready", timeout=5)
@@ -73,3 +53,8 @@ class RouterProcess:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             return self.proc.wait()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import openai
 import pytest
-from worker_fixtures import HAS_MODEL, MODEL_DIR, RouterProcess, WorkerProcess
+from router_process import RouterProcess
+from worker_fixtures import HAS_MODEL, MODEL_DIR, WorkerProcess
 
 from glmserve.kv.transfer import nixl_unavailable_reason
 
@@ -92,7 +93,7 @@ async def _kill_during(router: RouterProcess, requests: list[Request], doomed: W
                        when: Callable[[list[Result]], bool]) -> tuple[list[Result], float]:
     """Run ``requests`` at once; kill -9 ``doomed`` as soon as ``when(partial results)`` and it has
     a request running. Returns the results and the kill time."""
-    client = openai.AsyncOpenAI(base_url=f"{router.address}/v1", api_key="unused", max_retries=0, timeout=120)
+    client = openai.AsyncOpenAI(base_url=f"{router.url}/v1", api_key="unused", max_retries=0, timeout=120)
     partial = [Result() for _ in requests]
 
     async with client:
@@ -109,7 +110,7 @@ async def _kill_during(router: RouterProcess, requests: list[Request], doomed: W
 
 async def _solo(router: RouterProcess, requests: list[Request]) -> list[Result]:
     """The requests one after another on the idle platform: the unloaded reference (greedy)."""
-    client = openai.AsyncOpenAI(base_url=f"{router.address}/v1", api_key="unused", max_retries=0, timeout=120)
+    client = openai.AsyncOpenAI(base_url=f"{router.url}/v1", api_key="unused", max_retries=0, timeout=120)
     async with client:
         return [await _stream(client, r) for r in requests]
 
@@ -130,9 +131,9 @@ def _check(results: list[Result], killed: float, reference: list[Result]) -> Non
 @pytest.fixture
 def launched(tmp_path: Path):
     """Starts processes for one test and stops (or kills) every one of them at the end."""
-    procs: list[WorkerProcess] = []
+    procs: list[WorkerProcess | RouterProcess] = []
 
-    def start(proc: WorkerProcess) -> WorkerProcess:
+    def start(proc):
         procs.append(proc)
         return proc
 
@@ -145,8 +146,8 @@ def test_decode_worker_killed_while_streaming(survivors, launched, tmp_path: Pat
     kind, prefill, decode = survivors
     free = decode.health().free_blocks
     doomed = launched(WorkerProcess.launch("decode", kind, tmp_path / "doomed-decode.log")).ready()
-    router = launched(RouterProcess.launch_router([decode.address, doomed.address], [prefill.address],
-                                                  tmp_path / "router.log")).ready().wait_ready()
+    router = launched(RouterProcess.launch(tmp_path / "router.log", [prefill.address],
+                                           [decode.address, doomed.address], None))
     time.sleep(0.5)  # two health polls: both decode workers are chosen, not only the first ready one
     requests = [_chat(f"Explain item {i} of the list in json/decoder.py.", 150) for i in range(6)]
     # Kill once every client streams: the doomed worker's clients are mid-stream.
@@ -161,8 +162,8 @@ def test_prefill_worker_killed_during_prefill(survivors, launched, tmp_path: Pat
     kind, prefill, decode = survivors
     free = decode.health().free_blocks
     doomed = launched(WorkerProcess.launch("prefill", kind, tmp_path / "doomed-prefill.log")).ready()
-    router = launched(RouterProcess.launch_router([decode.address], [prefill.address, doomed.address],
-                                                  tmp_path / "router.log")).ready().wait_ready()
+    router = launched(RouterProcess.launch(tmp_path / "router.log", [prefill.address, doomed.address],
+                                           [decode.address], None))
     time.sleep(0.5)  # two health polls: both prefill workers are chosen
     rng = random.Random(5)
     prompts = [[rng.randrange(10, 8000) for _ in range(rng.randrange(1100, 1400))] for _ in range(4)]

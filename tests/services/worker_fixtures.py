@@ -3,7 +3,7 @@
 ``WorkerProcess.launch(role, transfer, log)`` starts ``python -m glmserve.services.<role>.main``
 with the bundled model on a free port; ``ready()`` waits for its ``READY host:port`` line.
 ``stop()`` sends SIGTERM (and checks the exit status), ``kill()`` is kill -9.
-``RouterProcess.launch(decode, prefill, log)`` starts the router over such workers the same way.
+(The router as a process: router_process.RouterProcess.)
 """
 
 from __future__ import annotations
@@ -46,13 +46,33 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _spawn(cmd: list[str], log: Path) -> subprocess.Popen[bytes]:
+def spawn_service(cmd: list[str], log: Path) -> subprocess.Popen[bytes]:
+    """A service process of this checkout: stdout piped (for its READY line), stderr to `log`."""
     # This checkout's code, whatever an installed glmserve points at.
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
-    # One torch thread per worker: the CI machine has 2 cores and runs two or three workers.
+    # One torch thread per process: the CI machine has 2 cores and runs two or three workers.
     env = {**os.environ, "PYTHONPATH": path, "NIXL_LOG_LEVEL": "WARN", "OMP_NUM_THREADS": "1"}
     with open(log, "ab") as err:
         return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, env=env, cwd=REPO)
+
+
+def read_ready_address(proc: subprocess.Popen[bytes], log: Path, name: str, timeout_s: float) -> str:
+    """The address of the ``READY <address>`` line the service prints once it serves; a service that
+    prints none in time is killed, and the error carries its log."""
+    assert proc.stdout is not None
+    deadline = time.monotonic() + timeout_s
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        while True:
+            if time.monotonic() > deadline or not sel.select(max(0.0, deadline - time.monotonic())):
+                proc.kill()
+                proc.wait()
+                raise RuntimeError(f"{name} not ready in {timeout_s}s:\n{log.read_text()}")
+            line = proc.stdout.readline().decode()
+            if not line:
+                raise RuntimeError(f"{name} exited:\n{log.read_text()}")
+            if line.startswith("READY "):
+                return line.split()[1]
 
 
 class WorkerProcess:
@@ -67,23 +87,12 @@ class WorkerProcess:
                "--host", "127.0.0.1", "--port", "0", "--worker-id", f"{role}-{log.stem}",
                "--transfer", transfer, "--kv-cache-bytes", str(kv_cache_bytes),
                "--metrics-port", str(metrics_port := free_port()), *extra]
-        return cls(role, _spawn(cmd, log), log, metrics_port)
+        return cls(role, spawn_service(cmd, log), log, metrics_port)
 
     def ready(self, timeout_s: float = 90.0) -> WorkerProcess:
         """Wait for the ``READY host:port`` line."""
-        assert self.proc.stdout is not None
-        deadline = time.monotonic() + timeout_s
-        with selectors.DefaultSelector() as sel:
-            sel.register(self.proc.stdout, selectors.EVENT_READ)
-            while self.address is None:
-                if time.monotonic() > deadline or not sel.select(max(0.0, deadline - time.monotonic())):
-                    self.kill()
-                    raise RuntimeError(f"{self.role} not ready in {timeout_s}s:\n{self.log.read_text()}")
-                line = self.proc.stdout.readline().decode()
-                if not line:
-                    raise RuntimeError(f"{self.role} exited:\n{self.log.read_text()}")
-                if line.startswith("READY "):
-                    self.address = line.split()[1]
+        if self.address is None:
+            self.address = read_ready_address(self.proc, self.log, self.role, timeout_s)
         return self
 
     def cpu_seconds(self) -> float:
@@ -127,33 +136,6 @@ class WorkerProcess:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait()
-
-
-class RouterProcess(WorkerProcess):
-    """The router (``python -m glmserve.services.router.main``) over worker addresses; ``address``
-    is its base URL (``http://127.0.0.1:port``) once `ready` saw its READY line."""
-
-    @classmethod
-    def launch_router(cls, decode: Sequence[str], prefill: Sequence[str], log: Path) -> RouterProcess:
-        # Polls every 0.2 s: a restarted or new worker is chosen within a fraction of a second.
-        cmd = [sys.executable, "-m", "glmserve.services.router.main", "--model", str(MODEL_DIR),
-               "--host", "127.0.0.1", "--port", "0", "--decode", ",".join(decode),
-               "--prefill", ",".join(prefill), "--poll-interval", "0.2"]
-        return cls("router", _spawn(cmd, log), log, 0)
-
-    def wait_ready(self, timeout_s: float = 30.0) -> RouterProcess:
-        """Wait until ``/ready`` answers 200 (a prefill and a decode worker are healthy)."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                with urllib.request.urlopen(f"{self.address}/ready", timeout=2) as r:
-                    if r.status == 200:
-                        return self
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"router not ready in {timeout_s}s:\n{self.log.read_text()}")
-            time.sleep(0.05)
 
 
 @dataclass
