@@ -129,17 +129,15 @@ def check_kvstore(value: str | None) -> None:
 
 
 def build_backend(kind: str, host: str, timeout_s: float) -> KVTransferBackend:
-    """The transfer backend ``kind`` asks for (auto: NIXL when it imports); a TCP receiver listens on
-    ``host``. Writes are failed and fenced after ``timeout_s`` (the agreed timeout's writer half)."""
+    """The transfer backend ``kind`` asks for (auto: NIXL when it imports), listening on ``host``. Writes are failed and fenced after ``timeout_s`` (the agreed timeout's writer half)."""
     if kind == "auto":
         reason = nixl_unavailable_reason()
         kind = "nixl" if reason is None else "tcp"
         if reason is not None:
             log.info("KV transfer: NIXL unavailable (%s), using TCP", reason)
-    options: dict[str, Any] = {"timeout_s": timeout_s}
-    if kind == "tcp":
-        options["host"] = host
-    return make_backend(kind, **options)
+    # Both kinds listen on ``host`` only (DESIGN invariant 9): the TCP receiver binds it, NIXL's
+    # UCX listens on the interfaces holding it.
+    return make_backend(kind, timeout_s=timeout_s, host=host)
 
 
 def build_engine(model: str, revision: str | None, config: dict[str, Any],
