@@ -5,8 +5,10 @@ Life of a worker process (``run_worker``):
 1. build the worker and start it (the engine loads on its thread; a signal meanwhile stops it);
 2. serve gRPC (grpc.aio) on ``--host:--port`` (0: a free port) and metrics on ``--metrics-port``;
 3. print ``READY <host>:<port>`` on stdout (flushed; logs go to stderr), the launcher's cue;
-4. on SIGTERM / SIGINT: ``worker.close()`` first (aborts what runs; a prefill worker drains its
-   transfers while its Abort RPC still answers), then stop the server, then the metrics endpoint.
+4. on SIGTERM / SIGINT: ``worker.drain(drain_timeout_s)`` (Health turns not ready, no new work is
+   admitted, running requests may finish; a second signal cuts the drain short), then
+   ``worker.close()`` (ends what is left: streams end with an error event, a prefill worker drains
+   its transfers while its Abort RPC still answers), then stop the server, then the metrics endpoint.
 """
 
 from __future__ import annotations
@@ -36,10 +38,13 @@ log = logging.getLogger(__name__)
 DEFAULT_TRANSFER_TIMEOUT_S = 50.0  # a write is final within this + the drain timeout (5 s)
 GRACE_S = 2.0  # how long in-flight RPCs may finish on shutdown
 DEFAULT_STAGING_BLOCKS = 8
+DEFAULT_DRAIN_TIMEOUT_S = 30.0  # on SIGTERM, how long running requests may finish
 
 
 class Worker(Protocol):
     async def start(self) -> None: ...
+
+    async def drain(self, timeout_s: float) -> int: ...
 
     async def close(self) -> None: ...
 
@@ -64,6 +69,8 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
                    help="check the KV block pool after every engine step (for tests; costs a pool scan)")
     p.add_argument("--host-staging-blocks", type=int, default=DEFAULT_STAGING_BLOCKS,
                    help="cache rows kept for demoting evicted blocks to the host tier (0: no demotion)")
+    p.add_argument("--drain-timeout-s", type=float, default=DEFAULT_DRAIN_TIMEOUT_S,
+                   help="on SIGTERM, how long running requests may finish before they are ended")
 
 
 @dataclass(frozen=True)
@@ -82,6 +89,7 @@ class WorkerConfig:
     host_write_through: str = "on"
     host_staging_blocks: int = DEFAULT_STAGING_BLOCKS
     check_integrity: bool = False
+    drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
 
     def __post_init__(self) -> None:
         check_port("port", self.port)
@@ -93,6 +101,8 @@ class WorkerConfig:
             raise ValueError(f"host_write_through: must be 'on' or 'off', got {self.host_write_through!r}")
         if self.host_staging_blocks < 0:
             raise ValueError(f"host_staging_blocks: must be >= 0, got {self.host_staging_blocks}")
+        if self.drain_timeout_s < 0:
+            raise ValueError(f"drain_timeout_s: must be >= 0, got {self.drain_timeout_s}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
             raise ValueError(f"kv_cache_bytes: must be > 0, got {self.kv_cache_bytes}")
 
@@ -168,7 +178,8 @@ async def serve_worker(config: WorkerConfig, worker: Worker, add_servicer: Calla
         registry.register(PublisherCollector(publisher))
     try:
         return await run_worker(worker, add_servicer, host=config.host, port=config.port, registry=registry,
-                                metrics_port=config.metrics_port, name=name)
+                                metrics_port=config.metrics_port, name=name,
+                                drain_timeout_s=config.drain_timeout_s)
     finally:
         if publisher is not None:
             await asyncio.to_thread(publisher.close)
@@ -188,6 +199,7 @@ async def run_worker(
     registry: CollectorRegistry | None,
     metrics_port: int | None,
     name: str,
+    drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
 ) -> int:
     """Runs the process's worker until SIGTERM / SIGINT (see the module docstring); exit status."""
     loop = asyncio.get_running_loop()
@@ -215,6 +227,15 @@ async def run_worker(
     print(f"READY {host}:{bound}", flush=True)
     try:
         await stop.wait()
+        stop.clear()
+        log.info("%s draining (up to %.0f s; another signal stops it at once)", name, drain_timeout_s)
+        draining, again = asyncio.create_task(worker.drain(drain_timeout_s)), asyncio.create_task(stop.wait())
+        await asyncio.wait({draining, again}, return_when=asyncio.FIRST_COMPLETED)
+        again.cancel()
+        left = draining.result() if draining.done() else None
+        draining.cancel()
+        if left:
+            log.warning("%s: %d requests still running after the drain; ending them", name, left)
     finally:
         log.info("%s stopping", name)
         await worker.close()

@@ -71,6 +71,7 @@ class DecodeFlow:
         self._events: asyncio.Queue[DecodeEvent] = asyncio.Queue()
         self._aborted = asyncio.Event()
         self._abort_reason: str | None = None
+        self._abort_finish = "abort"
         self.stage = "queued"  # queued (reserving) | prefill | decode | done
         self.num_cached = 0
         self.task: asyncio.Task[None] | None = None
@@ -79,14 +80,16 @@ class DecodeFlow:
     def start(self, on_done: Callable[[DecodeFlow], None]) -> None:
         self.task = asyncio.create_task(self._run(on_done), name=f"decode-{self.key}")
 
-    def abort(self, reason: str, label: str) -> None:
+    def abort(self, reason: str, label: str, finish: str = "abort") -> None:
+        """Stop the request; its stream ends with ``finish`` ("abort", or "error" when the
+        request was not given up by anyone but cannot finish here: the worker shuts down)."""
         if self._abort_reason is not None or self.stage == "done":
             return
-        self._abort_reason = reason
+        self._abort_reason, self._abort_finish = reason, finish
         if self._ctx.metrics is not None:
             self._ctx.metrics.abort(self.stage, label)
         self._aborted.set()
-        self.outputs.put_nowait(Stop("abort", reason))
+        self.outputs.put_nowait(Stop(finish, reason))
 
     async def events(self) -> AsyncIterator[DecodeEvent]:
         while True:
@@ -120,7 +123,7 @@ class DecodeFlow:
                            num_cached_tokens=self.num_cached)
 
     def _abort_stop(self) -> Stop | None:
-        return None if self._abort_reason is None else Stop("abort", self._abort_reason)
+        return None if self._abort_reason is None else Stop(self._abort_finish, self._abort_reason)
 
     # --- stages -----------------------------------------------------------------------------------
 
@@ -145,7 +148,7 @@ class DecodeFlow:
         ctx, s, dest = self._ctx, self._ctx.settings, self._dest
         if self._abort_reason is not None:
             ctx.release_now(self.key)  # nothing was asked of any prefill worker yet
-            raise _Ended(Stop("abort", self._abort_reason))
+            raise _Ended(Stop(self._abort_finish, self._abort_reason))
         self.stage = "prefill"
         arrival = ctx.arrivals.expect(self.request_id, self.generation)
         call = asyncio.create_task(ctx.prefill.prefill(self._target, PrefillCall(
@@ -211,7 +214,7 @@ class DecodeFlow:
         logprobs = [first_logprob] if first_logprob is not None and self._params.logprobs is not None else []
         while True:
             if isinstance(out, Stop):
-                if out.reason == "abort":
+                if out.reason == "abort" or self._abort_reason is not None:  # ours, not the engine's
                     await self._ctx.engine.submit(lambda e: e.abort(self.key))  # frees its blocks now
                 return self._final(out)
             event = DecodeEvent(list(out.new_token_ids), logprobs, out.finished, out.finish_reason,

@@ -116,7 +116,7 @@ class DecodeWorker:
         self._flows: dict[str, DecodeFlow] = {}  # by request id
         self._by_key: dict[str, DecodeFlow] = {}  # by engine request id
         self._context: FlowContext | None = None
-        self._closing = False
+        self._draining = self._closing = False
 
     @property
     def engine(self) -> EngineThread:
@@ -147,7 +147,7 @@ class DecodeWorker:
         return WorkerHealth(self._ready(), s.running, s.waiting + s.reserved, s.free_blocks)
 
     def _ready(self) -> bool:
-        return self._context is not None and self._engine.alive and not self._closing
+        return self._context is not None and self._engine.alive and not (self._draining or self._closing)
 
     # --- requests ---------------------------------------------------------------------------------
 
@@ -195,12 +195,23 @@ class DecodeWorker:
         self._flows.pop(flow.request_id, None)
         self._by_key.pop(flow.key, None)
 
+    async def drain(self, timeout_s: float) -> int:
+        """Stop admitting (Health says not ready; new requests get `DecodeUnavailable`, which the
+        router retries elsewhere) and let running requests finish, for up to ``timeout_s``.
+        Returns how many still run (`close` ends them)."""
+        self._draining = True
+        tasks = [f.task for f in self._flows.values() if f.task is not None]
+        if tasks and timeout_s > 0:
+            await asyncio.wait(tasks, timeout=timeout_s)
+        return len(self._flows)
+
     async def close(self) -> None:
-        """Abort every request (streams end with "abort"; prefill workers are told), then stop."""
+        """End every request (streams end with an error: the request did not finish; prefill
+        workers are told), then stop."""
         self._closing = True
         flows = list(self._flows.values())
         for flow in flows:
-            flow.abort("decode worker shutting down", "shutdown")
+            flow.abort("the decode worker shut down before the request finished", "shutdown", finish="error")
         if flows:
             await asyncio.wait([f.task for f in flows if f.task is not None], timeout=10.0)
         if self._context is not None:
