@@ -19,6 +19,10 @@ Contract (every implementation keeps it; callers may use any of them interchange
     (worker, block) entries per tier: the block copies the cluster holds (for metrics).
 ``healthy() -> bool``
     Whether the backend can be reached now; never raises.
+``epoch() -> str``
+    An id that changes whenever entries may have been lost (a new in-memory index, a Redis that
+    restarted); empty while the backend cannot be reached; never raises. Publishers seeing a new
+    epoch publish everything they hold again, so the index is rebuilt.
 ``close()``
     Releases connections; the index is unusable afterwards.
 
@@ -32,6 +36,7 @@ Hashes are opaque bytes (the chain hashes of ``glmserve.core.block_hash``).
 from __future__ import annotations
 
 import threading
+import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -121,6 +126,9 @@ class BlockIndex(ABC):
     @abstractmethod
     def healthy(self) -> bool: ...
 
+    @abstractmethod
+    def epoch(self) -> str: ...
+
     def describe(self) -> str:
         """Where the index lives, for logs (no secrets)."""
         return self.backend
@@ -139,6 +147,10 @@ class InMemoryBlockIndex(BlockIndex):
         self._holders: dict[bytes, set[Holder]] = {}
         self._by_worker: dict[str, dict[Tier, set[bytes]]] = {}
         self._lock = threading.Lock()
+        self._epoch = uuid.uuid4().hex  # the entries live and die with this object
+
+    def epoch(self) -> str:
+        return self._epoch
 
     def stored(self, worker: str, tier: Tier | str, hashes: Sequence[bytes]) -> None:
         worker, tier, hashes = check_event(worker, tier, hashes)
@@ -278,6 +290,14 @@ class RedisBlockIndex(BlockIndex):
             return bool(self._redis.ping())
         except Exception:  # any failure means "not usable now"; the contract says never raise
             return False
+
+    def epoch(self) -> str:
+        """Redis's ``run_id``: new at every Redis start, when its keys may be gone or restored
+        from an older snapshot."""
+        try:
+            return str(self._redis.info("server")["run_id"])
+        except Exception:  # unreachable (or a server without run_id): no epoch now
+            return ""
 
     def describe(self) -> str:
         return f"redis {redact_url(self._url)} (prefix {self._prefix!r})"
