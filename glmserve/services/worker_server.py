@@ -3,7 +3,8 @@ and the process life (load, serve gRPC, print READY, stop cleanly on SIGTERM / S
 
 Life of a worker process (``run_worker``):
 1. build the worker and start it (the engine loads on its thread; a signal meanwhile stops it);
-2. serve gRPC (grpc.aio) on ``--host:--port`` (0: a free port) and metrics on ``--metrics-port``;
+2. serve gRPC (grpc.aio) on ``--host:--port`` (0: a free port), with ``grpc.health.v1`` for probes
+   (`liveness`), and metrics on ``--metrics-port``;
 3. print ``READY <host>:<port>`` on stdout (flushed; logs go to stderr), the launcher's cue;
 4. on SIGTERM / SIGINT: ``worker.drain(drain_timeout_s)`` (Health turns not ready, no new work is
    admitted, running requests may finish; a second signal cuts the drain short), then
@@ -18,9 +19,9 @@ import asyncio
 import logging
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import grpc
 from prometheus_client import CollectorRegistry, start_http_server
@@ -29,11 +30,13 @@ from glmserve.kv.transfer import KVTransferBackend, make_backend, nixl_unavailab
 from glmserve.services.host_link import HostSettings
 from glmserve.services.kv_events import KVEventPublisher, PublisherCollector
 from glmserve.services.kvstore.client import KVStoreClient
+from glmserve.services.liveness import HealthReporter
 
 if TYPE_CHECKING:
     from glmserve.engine.engine import Engine
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 DEFAULT_TRANSFER_TIMEOUT_S = 50.0  # a write is final within this + the drain timeout (5 s)
 GRACE_S = 2.0  # how long in-flight RPCs may finish on shutdown
@@ -43,6 +46,10 @@ DEFAULT_DRAIN_TIMEOUT_S = 30.0  # on SIGTERM, how long running requests may fini
 
 class Worker(Protocol):
     async def start(self) -> None: ...
+
+    def live(self) -> bool: ...  # the process can serve (engine thread alive, not stuck)
+
+    def ready(self) -> bool: ...  # requests may be sent here
 
     async def drain(self, timeout_s: float) -> int: ...
 
@@ -172,13 +179,14 @@ def start_block_events(kvstore: str | None, worker_id: str) -> KVEventPublisher 
 
 
 async def serve_worker(config: WorkerConfig, worker: Worker, add_servicer: Callable[[grpc.aio.Server], None],
-                       registry: CollectorRegistry | None, publisher: KVEventPublisher | None, name: str) -> int:
+                       registry: CollectorRegistry | None, publisher: KVEventPublisher | None, name: str,
+                       service: str) -> int:
     """`run_worker` with the worker's block-event publisher on its metrics, closed on exit."""
     if publisher is not None and registry is not None:
         registry.register(PublisherCollector(publisher))
     try:
         return await run_worker(worker, add_servicer, host=config.host, port=config.port, registry=registry,
-                                metrics_port=config.metrics_port, name=name,
+                                metrics_port=config.metrics_port, name=name, service=service,
                                 drain_timeout_s=config.drain_timeout_s)
     finally:
         if publisher is not None:
@@ -199,26 +207,27 @@ async def run_worker(
     registry: CollectorRegistry | None,
     metrics_port: int | None,
     name: str,
+    service: str,
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
 ) -> int:
-    """Runs the process's worker until SIGTERM / SIGINT (see the module docstring); exit status."""
+    """Runs the process's worker until SIGTERM / SIGINT (see the module docstring); exit status.
+    ``service``: the full gRPC service name, for the readiness answer of ``grpc.health.v1``."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    starting = asyncio.create_task(worker.start())
-    stopping = asyncio.create_task(stop.wait())
-    await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
-    if not starting.done():
+    started, _ = await _first(worker.start(), stop)
+    if not started:
         log.info("%s: stopped while loading", name)
-        starting.cancel()
         return 0
-    stopping.cancel()
-    starting.result()  # a load error ends the process here, with its traceback
+    draining = False
+    health = HealthReporter(service, worker.live, lambda: worker.ready() and not draining)
     server = grpc.aio.server()
     add_servicer(server)
+    health.add_to(server)
     bound = server.add_insecure_port(f"{host}:{port}")
     await server.start()
+    reporting = asyncio.create_task(health.run())
     http = None
     if metrics_port is not None and registry is not None:
         http, _ = start_http_server(metrics_port, addr=host, registry=registry)
@@ -228,19 +237,31 @@ async def run_worker(
     try:
         await stop.wait()
         stop.clear()
+        draining = True
+        await health.update()
         log.info("%s draining (up to %.0f s; another signal stops it at once)", name, drain_timeout_s)
-        draining, again = asyncio.create_task(worker.drain(drain_timeout_s)), asyncio.create_task(stop.wait())
-        await asyncio.wait({draining, again}, return_when=asyncio.FIRST_COMPLETED)
-        again.cancel()
-        left = draining.result() if draining.done() else None
-        draining.cancel()
-        if left:
+        drained, left = await _first(worker.drain(drain_timeout_s), stop)
+        if not drained:
+            log.warning("%s: drain cut short by a second signal", name)
+        elif left:
             log.warning("%s: %d requests still running after the drain; ending them", name, left)
     finally:
         log.info("%s stopping", name)
+        reporting.cancel()
         await worker.close()
         await server.stop(GRACE_S)
         if http is not None:
             http.shutdown()
         log.info("%s stopped", name)
     return 0
+
+
+async def _first(work: Coroutine[Any, Any, T], stop: asyncio.Event) -> tuple[bool, T | None]:
+    """(True, ``work``'s result), or (False, None) with ``work`` cancelled when ``stop`` is set first."""
+    task, stopped = asyncio.ensure_future(work), asyncio.create_task(stop.wait())
+    await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    stopped.cancel()
+    if not task.done():
+        task.cancel()
+        return False, None
+    return True, task.result()  # a load error ends the process here, with its traceback

@@ -1,7 +1,8 @@
 """SIGTERM drains a worker (real processes on 127.0.0.1, driven over gRPC like the router does).
 
-A decode worker that gets SIGTERM stops admitting (Health not ready, new requests UNAVAILABLE, which
-the router retries elsewhere) and lets running streams finish, greedy-exact; what the drain timeout
+A decode worker that gets SIGTERM stops admitting (Health not ready, the grpc.health.v1 readiness
+answer NOT_SERVING while liveness stays SERVING, new requests UNAVAILABLE, which the router retries
+elsewhere) and lets running streams finish, greedy-exact; what the drain timeout
 cuts short ends with an error event, never a broken stream. A prefill worker that gets SIGTERM
 still serves what was routed to it, then exits. Every worker exits with status 0.
 """
@@ -14,12 +15,14 @@ import time
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from worker_fixtures import HAS_MODEL, MODEL_DIR, WorkerProcess, generate, generate_request
 
 from glmserve.engine.sampling_params import SamplingParams
 from glmserve.model.greedy import greedy_generate
 from glmserve.model.loader import load_model
 from glmserve.proto_gen.glmserve.decode.v1 import decode_pb2_grpc as decode_grpc
+from glmserve.services.liveness import NOT_SERVING, SERVING
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not HAS_MODEL, reason=f"no model at {MODEL_DIR}")]
 
@@ -59,11 +62,19 @@ async def _sigterm_during(decode: WorkerProcess, target: WorkerProcess, prefill:
         await asyncio.sleep(0.3)
         late = None
         if target is decode:
+            assert await _probe(channel, "") == SERVING  # alive: no restart wanted
+            assert await _probe(channel, "glmserve.decode.v1.Decode") == NOT_SERVING  # send nothing here
             try:
                 await generate(stub, generate_request(f"{tag}-late", PROMPTS[0], _params(4), prefill))
             except grpc.aio.AioRpcError as e:
                 late = e.code()
         return await asyncio.gather(*tasks), late
+
+
+async def _probe(channel: grpc.aio.Channel, service: str) -> int:
+    """What a Kubernetes gRPC probe sees (grpc.health.v1)."""
+    request = health_pb2.HealthCheckRequest(service=service)
+    return (await health_pb2_grpc.HealthStub(channel).Check(request, timeout=5)).status
 
 
 def test_decode_drain_lets_running_streams_finish(survivors, tmp_path) -> None:

@@ -41,6 +41,7 @@ from glmserve.services.decode.prefill_client import PrefillPort
 from glmserve.services.engine_thread import EngineThread
 from glmserve.services.host_link import HostLink, HostSettings
 from glmserve.services.host_metrics import HostTierMetrics
+from glmserve.services.liveness import EngineWatch
 from glmserve.services.worker_metrics import TokenTimer, WorkerMetrics
 
 if TYPE_CHECKING:
@@ -106,6 +107,7 @@ class DecodeWorker:
         """``host``: write finished requests' blocks (prompt and generated) through to the kvstore's
         host tier, and demote evicted ones there."""
         self._engine = EngineThread(engine_factory, self._on_step, self._on_step_error, "decode-engine")
+        self._watch = EngineWatch(self._engine)
         self.metrics = metrics(self._engine) if metrics is not None else None
         self.host_metrics = HostTierMetrics(self.metrics.registry) if self.metrics is not None else None
         self._host = HostLink(host, backend, self._engine, self.host_metrics) if host is not None else None
@@ -148,6 +150,14 @@ class DecodeWorker:
 
     def _ready(self) -> bool:
         return self._context is not None and self._engine.alive and not (self._draining or self._closing)
+
+    def ready(self) -> bool:
+        """Requests may be sent here (loaded, engine thread alive, not draining)."""
+        return self._ready()
+
+    def live(self) -> bool:
+        """The process can serve: its engine thread is alive and not stuck (`EngineWatch`)."""
+        return self._watch.live()
 
     # --- requests ---------------------------------------------------------------------------------
 

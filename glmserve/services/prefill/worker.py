@@ -36,6 +36,7 @@ from glmserve.kv.transfer import KVTransferBackend, TransferError, TransferHandl
 from glmserve.services.engine_thread import EngineThread
 from glmserve.services.host_link import HostLink, HostSettings, LoadAborted, Loaded
 from glmserve.services.host_metrics import HostTierMetrics
+from glmserve.services.liveness import EngineWatch
 from glmserve.services.prefill.history import DEFAULT_TTL_S, PrefillHistory
 from glmserve.services.prefill.job import (
     AbortOutcome,
@@ -91,6 +92,7 @@ class PrefillWorker:
         """``metrics``: builds the worker's metrics from its engine thread (for snapshot gauges).
         ``host``: use the kvstore's host tier (load-back before prefill, write-through, demotion)."""
         self._engine = EngineThread(engine_factory, self._on_step, self._on_step_error, "prefill-engine")
+        self._watch = EngineWatch(self._engine)
         self.metrics = metrics(self._engine) if metrics is not None else None
         self.host_metrics = HostTierMetrics(self.metrics.registry) if self.metrics is not None else None
         self._host = HostLink(host, backend, self._engine, self.host_metrics) if host is not None else None
@@ -114,6 +116,14 @@ class PrefillWorker:
         self._backend.register(self._buffer)
         if self._host is not None:
             await self._host.start(self._buffer)
+
+    def ready(self) -> bool:
+        """Requests may be sent here (loaded, engine thread alive, not draining)."""
+        return self.health().ready
+
+    def live(self) -> bool:
+        """The process can serve: its engine thread is alive and not stuck (`EngineWatch`)."""
+        return self._watch.live()
 
     def health(self) -> WorkerHealth:
         s = self._engine.snapshot
