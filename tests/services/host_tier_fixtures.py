@@ -70,4 +70,4 @@ class HostKVStore:
 
 
 def hit_tokens(metrics: dict, tier: str) -> float:
-    return metrics.get(("glmserve_prefix_cache_hit_tokens_total", (("tier", tier),)), 0.0)
+    return metrics.get(("glmserve_worker_prefix_cache_hit_tokens_total", (("tier", tier),)), 0.0)
