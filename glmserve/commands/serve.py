@@ -52,6 +52,7 @@ class ServeConfig:
     ready_timeout_s: float = 300.0
     drain_timeout_s: float = 30.0  # how long a stopping child may let running requests finish
     restart: RestartPolicy = field(default_factory=RestartPolicy)
+    metrics_port_base: int = 0  # kvstore here, prefill-i at +1+i, decode-j after them; 0: free ports
 
     def __post_init__(self) -> None:
         if not (self.model / "config.json").is_file():
@@ -64,6 +65,10 @@ class ServeConfig:
             raise ValueError(f"transfer: must be auto, nixl or tcp, got {self.transfer!r}")
         if self.host_tier_bytes < 0:
             raise ValueError(f"host_tier_bytes: must be >= 0, got {self.host_tier_bytes}")
+        last = self.metrics_port_base + self.prefill_workers + self.decode_workers
+        if self.metrics_port_base and not (0 < self.metrics_port_base and last <= 65535):
+            raise ValueError(f"metrics_port_base: {self.metrics_port_base} + one port per child must fit in "
+                             "[1, 65535]")
         if self.ready_timeout_s <= 0:
             raise ValueError(f"ready_timeout_s: must be > 0, got {self.ready_timeout_s}")
         if self.drain_timeout_s < 0:
@@ -81,7 +86,12 @@ class ServeConfig:
         return cls(args.model.resolve(), args.prefill_workers, args.decode_workers, port=args.port,
                    transfer=args.transfer, redis_url=args.redis_url, api_keys=tuple(args.api_key),
                    ready_timeout_s=args.ready_timeout, host_tier_bytes=args.host_tier_bytes,
-                   drain_timeout_s=args.drain_timeout, restart=restart)
+                   drain_timeout_s=args.drain_timeout, restart=restart,
+                   metrics_port_base=getattr(args, "metrics_port_base", 0))
+
+    def metrics_port(self, index: int) -> int | None:
+        """The fixed metrics port of child ``index`` (kvstore 0, prefill 1..P, decode after); None: free."""
+        return self.metrics_port_base + index if self.metrics_port_base else None
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -101,6 +111,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="restarts in a row of one service before the launcher gives up")
     p.add_argument("--max-restart-backoff", type=float, default=RestartPolicy.max_backoff_s,
                    help="longest wait before restarting a service (the wait doubles per restart)")
+    p.add_argument("--metrics-port", type=int, default=0, dest="metrics_port_base",
+                   help="fixed metrics ports from BASE: kvstore BASE, prefill-i BASE+1+i, then decode-j "
+                   "after the prefill workers (0: free ports; the router's are on its HTTP port)")
 
 
 def free_ports(host: str, n: int) -> list[int]:
@@ -145,28 +158,30 @@ def http_ok(url: str) -> Callable[[], bool]:
 
 
 def plan(cfg: ServeConfig) -> list[ChildSpec]:
-    """Every child of the platform, ports fixed."""
+    """Every child of the platform, ports fixed (metrics ports from ``metrics_port_base`` when set)."""
     py = sys.executable
     workers = [(kind, i) for kind, count in (("prefill", cfg.prefill_workers), ("decode", cfg.decode_workers))
                for i in range(count)]
-    kv_port, kv_metrics, *ports = free_ports(cfg.host, 2 + 2 * len(workers))
-    router_port = cfg.port or free_ports(cfg.host, 1)[0]
+    free = iter(free_ports(cfg.host, 2 * (1 + len(workers)) + 1))
+    metrics = [cfg.metrics_port(i) or next(free) for i in range(1 + len(workers))]  # kvstore, then workers
+    kv_port, router_port = next(free), cfg.port or next(free)
     kv = f"{cfg.host}:{kv_port}"
+    labels = ("--served-model-name", cfg.model.name)  # the model_name label of their metrics
     redis = ["--redis-url", cfg.redis_url] if cfg.redis_url else []
     host_tier = ["--host-tier-bytes", str(cfg.host_tier_bytes), "--transfer", cfg.transfer] if cfg.host_tier_bytes else []
     specs = [ChildSpec("kvstore", "kvstore", (
         py, "-m", "glmserve.services.kvstore.main", "--host", cfg.host, "--port", str(kv_port),
-        "--metrics-port", str(kv_metrics), *redis, *host_tier), kv, kv_metrics, STOP_RANKS["kvstore"],
+        "--metrics-port", str(metrics[0]), *labels, *redis, *host_tier), kv, metrics[0], STOP_RANKS["kvstore"],
         ready=kvstore_ready(kv))]
     addresses: dict[str, list[str]] = {"prefill": [], "decode": []}
-    for (kind, i), port, metrics in zip(workers, ports[::2], ports[1::2], strict=True):
-        address = f"{cfg.host}:{port}"
+    for (kind, i), metrics_port in zip(workers, metrics[1:], strict=True):
+        address = f"{cfg.host}:{next(free)}"
         addresses[kind].append(address)
         specs.append(ChildSpec(f"{kind}-{i}", kind, (
-            py, "-m", _WORKER_MODULES[kind], "--model", str(cfg.model), "--host", cfg.host, "--port", str(port),
-            "--worker-id", f"{kind}-{i}", "--transfer", cfg.transfer, "--kvstore", kv,
-            "--drain-timeout-s", str(cfg.drain_timeout_s), "--metrics-port", str(metrics)),
-            address, metrics, STOP_RANKS[kind]))
+            py, "-m", _WORKER_MODULES[kind], "--model", str(cfg.model), "--host", cfg.host,
+            "--port", address.rsplit(":", 1)[1], "--worker-id", f"{kind}-{i}", "--transfer", cfg.transfer,
+            "--kvstore", kv, "--drain-timeout-s", str(cfg.drain_timeout_s), "--metrics-port", str(metrics_port),
+            *labels), address, metrics_port, STOP_RANKS[kind]))
     url = f"http://{cfg.host}:{router_port}"
     specs.append(ChildSpec("router", "router", (
         py, "-m", "glmserve.services.router.main", "--model", str(cfg.model), "--host", cfg.host,

@@ -21,16 +21,18 @@ import signal
 import sys
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import grpc
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry
 
 from glmserve.kv.transfer import KVTransferBackend, make_backend, nixl_unavailable_reason
 from glmserve.services.host_link import HostSettings
 from glmserve.services.kv_events import KVEventPublisher, PublisherCollector
 from glmserve.services.kvstore.client import KVStoreClient
 from glmserve.services.liveness import HealthReporter
+from glmserve.services.metrics_exposition import MetricsServer, labelled
 
 if TYPE_CHECKING:
     from glmserve.engine.engine import Engine
@@ -64,6 +66,8 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--transfer", choices=("auto", "nixl", "tcp"), default="auto",
                    help="KV transfer: NIXL when it imports (auto), or TCP")
     p.add_argument("--metrics-port", type=int, default=None, help="Prometheus endpoint (off if absent)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model_name label of this worker's metrics (default: the model directory's name)")
     p.add_argument("--kv-cache-bytes", type=int, default=None, help="KV cache size (engine default if absent)")
     p.add_argument("--kvstore", default=None,
                    help="host:port of the kvstore: publish this worker's cached blocks to its index and "
@@ -97,6 +101,7 @@ class WorkerConfig:
     host_staging_blocks: int = DEFAULT_STAGING_BLOCKS
     check_integrity: bool = False
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
+    served_model_name: str | None = None  # the metrics' model_name (None: the model directory's name)
 
     def __post_init__(self) -> None:
         check_port("port", self.port)
@@ -112,6 +117,10 @@ class WorkerConfig:
             raise ValueError(f"drain_timeout_s: must be >= 0, got {self.drain_timeout_s}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
             raise ValueError(f"kv_cache_bytes: must be > 0, got {self.kv_cache_bytes}")
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or Path(self.model).name
 
     def engine_config(self) -> dict[str, int | bool]:
         """Engine config fields from the worker flags."""
@@ -180,12 +189,15 @@ def start_block_events(kvstore: str | None, worker_id: str) -> KVEventPublisher 
 
 async def serve_worker(config: WorkerConfig, worker: Worker, add_servicer: Callable[[grpc.aio.Server], None],
                        registry: CollectorRegistry | None, publisher: KVEventPublisher | None, name: str,
-                       service: str) -> int:
-    """`run_worker` with the worker's block-event publisher on its metrics, closed on exit."""
+                       role: str, service: str) -> int:
+    """`run_worker` with the worker's block-event publisher on its metrics, closed on exit; every
+    sample is served with the ``model_name`` and ``role`` labels. ``service``: the full gRPC service
+    name (readiness in ``grpc.health.v1``)."""
     if publisher is not None and registry is not None:
         registry.register(PublisherCollector(publisher))
     try:
-        return await run_worker(worker, add_servicer, host=config.host, port=config.port, registry=registry,
+        served = None if registry is None else labelled(registry, {"model_name": config.model_name, "role": role})
+        return await run_worker(worker, add_servicer, host=config.host, port=config.port, registry=served,
                                 metrics_port=config.metrics_port, name=name, service=service,
                                 drain_timeout_s=config.drain_timeout_s)
     finally:
@@ -230,9 +242,9 @@ async def run_worker(
     reporting = asyncio.create_task(health.run())
     http = None
     if metrics_port is not None and registry is not None:
-        http, _ = start_http_server(metrics_port, addr=host, registry=registry)
+        http = MetricsServer(registry, host, metrics_port)
     log.info("%s serving on %s:%d; metrics: %s", name, host, bound,
-             f"{host}:{http.server_port}" if http is not None else "off")
+             f"{host}:{http.port}" if http is not None else "off")
     print(f"READY {host}:{bound}", flush=True)
     try:
         await stop.wait()
@@ -251,7 +263,7 @@ async def run_worker(
         await worker.close()
         await server.stop(GRACE_S)
         if http is not None:
-            http.shutdown()
+            http.close()
         log.info("%s stopped", name)
     return 0
 

@@ -40,5 +40,11 @@ def listening_addresses(pid: int) -> set[tuple[str, int]]:
     return found
 
 
+def _loopback(address: str) -> bool:
+    ip = ipaddress.ip_address(address)
+    mapped = getattr(ip, "ipv4_mapped", None)  # ::ffff:127.0.0.1, a v6 socket bound to 127.0.0.1
+    return (mapped or ip).is_loopback
+
+
 def non_loopback(addresses: set[tuple[str, int]]) -> set[tuple[str, int]]:
-    return {(a, p) for a, p in addresses if not ipaddress.ip_address(a).is_loopback}
+    return {(a, p) for a, p in addresses if not _loopback(a)}

@@ -134,6 +134,8 @@ def test_the_plan_fixes_every_port_on_the_host() -> None:
     assert [s.stop_rank for s in specs] == [2, 1, 1, 1, 1, 0]
     for s in specs[1:5]:
         assert s.argv[s.argv.index("--port") + 1] == s.address.rsplit(":", 1)[1]
+    fixed = plan(ServeConfig(MODEL_DIR, prefill_workers=2, decode_workers=2, metrics_port_base=9100))
+    assert [s.metrics_port for s in fixed] == [9100, 9101, 9102, 9103, 9104, None]  # kept on every restart
 
 
 def test_restart_policy_backs_off_and_checks_its_fields() -> None:

@@ -64,8 +64,8 @@ async def serve(config: PrefillConfig) -> int:
     servicer = PrefillServicer(worker, config.worker_id)
     return await serve_worker(config, worker, lambda server: pb_grpc.add_PrefillServicer_to_server(servicer, server),
                               worker.metrics.registry if worker.metrics is not None else None, publisher,
-                              f"prefill worker {config.worker_id} ({backend.kind} transfer)",
-                              pb.DESCRIPTOR.services_by_name["Prefill"].full_name)
+                              f"prefill worker {config.worker_id} ({backend.kind} transfer)", role="prefill",
+                              service=pb.DESCRIPTOR.services_by_name["Prefill"].full_name)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
