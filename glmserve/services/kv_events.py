@@ -172,8 +172,9 @@ class KVEventPublisher:
 
 class PublisherCollector(Collector):
     """The publisher's state on the worker's ``/metrics``: ``glmserve_kv_events_published_total``,
-    ``glmserve_kv_events_publish_failures_total`` and ``glmserve_kv_index_in_sync`` (0 during a
-    kvstore outage, until the resync)."""
+    ``glmserve_kv_events_publish_failures_total``, ``glmserve_kv_index_resyncs_total`` (the whole
+    mirror published again: at start, after an outage, after the index lost entries) and
+    ``glmserve_kv_index_in_sync`` (0 during a kvstore outage, until the resync)."""
 
     def __init__(self, publisher: KVEventPublisher) -> None:
         self._p = publisher
@@ -183,6 +184,8 @@ class PublisherCollector(Collector):
                                   value=self._p.published_events)
         yield CounterMetricFamily("glmserve_kv_events_publish_failures",
                                   "Flushes that could not reach the kvstore.", value=self._p.failures)
+        yield CounterMetricFamily("glmserve_kv_index_resyncs",
+                                  "Times this worker published all its blocks again.", value=self._p.resyncs)
         yield GaugeMetricFamily("glmserve_kv_index_in_sync",
                                 "1: the kvstore index holds this worker's blocks; 0: resync pending.",
                                 value=1.0 if self._p.in_sync else 0.0)

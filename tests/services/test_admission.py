@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry
 
 from glmserve.services.router.admission import AdmissionConfig, AdmissionQueue, ClientGone, Rejected
 from glmserve.services.router.admission_metrics import AdmissionMetrics
+from glmserve.services.router.metrics import RouterMetrics
 
 
 def run(coro):
@@ -17,8 +18,8 @@ def run(coro):
 
 
 def make(**config) -> tuple[AdmissionQueue, CollectorRegistry]:
-    registry = CollectorRegistry()
-    return AdmissionQueue(AdmissionConfig(**config), AdmissionMetrics(registry)), registry
+    router = RouterMetrics("m")
+    return AdmissionQueue(AdmissionConfig(**config), AdmissionMetrics(router.registry, router.rejected)), router.registry
 
 
 def rejections(registry: CollectorRegistry, reason: str) -> float:

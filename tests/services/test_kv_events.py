@@ -117,6 +117,7 @@ def test_publisher_state_is_exposed_as_metrics() -> None:
         committed_pool(2, H[:2], publisher)
         assert publisher.flush()
         assert registry.get_sample_value("glmserve_kv_index_in_sync") == 1
+        assert registry.get_sample_value("glmserve_kv_index_resyncs_total") == 1
         assert registry.get_sample_value("glmserve_kv_events_published_total") == 1  # one stored event
     publisher.block_stored(H[2])
     assert not publisher.flush()  # reached once, now gone: a real failure

@@ -119,9 +119,10 @@ async def _stream(client: openai.AsyncOpenAI, content: str, max_tokens: int, out
             temperature=0, stream=True, extra_body={"ignore_eos": True})
         async for chunk in stream:
             if chunk.choices:
-                out.text += chunk.choices[0].delta.content or ""
+                delta = chunk.choices[0].delta.content or ""
+                out.text += delta
                 out.finish_reason = chunk.choices[0].finish_reason or out.finish_reason
-                out.chunks += 1
+                out.chunks += bool(delta)  # tokens, not the role chunk that precedes them
     except (openai.APIError, httpx.HTTPError) as e:
         out.error = e
     out.ended_at = time.monotonic()
@@ -199,13 +200,13 @@ def test_decode_worker_killed_mid_stream_others_finish_and_it_comes_back(platfor
 
 
 def test_prefill_worker_killed_streams_already_decoding_finish(platform: Platform) -> None:
-    reference = asyncio.run(_solo(platform, PROMPTS, 60))
-    results, killed = asyncio.run(_run_and_kill(platform, PROMPTS, 60, "prefill-0",
+    reference = asyncio.run(_solo(platform, PROMPTS, 150))  # long enough: all decode at once
+    results, killed = asyncio.run(_run_and_kill(platform, PROMPTS, 150, "prefill-0",
                                                 lambda rs: all(r.chunks for r in rs)))
     for r, ref in zip(results, reference, strict=True):  # decode needs no prefill worker any more
         assert (r.error, r.finish_reason, r.text) == (None, "length", ref.text)
     _back(platform, "prefill-0")
-    assert asyncio.run(_solo(platform, PROMPTS[:1], 60))[0].text == reference[0].text
+    assert asyncio.run(_solo(platform, PROMPTS[:1], 150))[0].text == reference[0].text
 
 
 def test_kvstore_killed_nothing_fails_and_the_index_comes_back(platform: Platform) -> None:

@@ -209,7 +209,7 @@ class AdmissionQueue:
 
     def _count(self, reason: str) -> None:
         if self.metrics is not None:
-            self.metrics.rejections.labels(reason=reason).inc()
+            self.metrics.rejected(reason)
 
     def _gauge(self) -> None:
         if self.metrics is not None:
