@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import signal
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from glmserve.kv.block_index import PrefixMatch, Tier
 from glmserve.proto_gen.glmserve.kvstore.v1 import kvstore_pb2 as pb
 from glmserve.proto_gen.glmserve.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from glmserve.services.kvstore.client import AsyncKVStoreClient, BlockEvent, KVStoreClient, KVStoreError
+from glmserve.services.metrics_exposition import SERVICE_LABELS
 
 H = [bytes([i]) * 16 for i in range(8)]
 D, HOST = Tier.DEVICE, Tier.HOST
@@ -47,7 +49,7 @@ class KVStoreProcess:
         self.client = KVStoreClient(f"127.0.0.1:{self.port}", timeout_s=2.0)
         self._wait_ready()
 
-    def _wait_ready(self, timeout_s: float = 15.0) -> None:
+    def _wait_ready(self, timeout_s: float = 60.0) -> None:  # a loaded machine imports slowly
         deadline = time.monotonic() + timeout_s
         while True:
             try:
@@ -60,8 +62,12 @@ class KVStoreProcess:
                 time.sleep(0.05)
 
     def metrics(self) -> str:
+        """The exposition text without the labels every sample of a service carries (role, ...)."""
         with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as r:
-            return r.read().decode()
+            text = r.read().decode()
+        for label in SERVICE_LABELS:
+            text = re.sub(rf',?{label}="[^"]*"', "", text).replace("{,", "{").replace("{}", "")
+        return text
 
     def stop(self) -> int:
         self.client.close()
