@@ -45,9 +45,9 @@ if str(REPO) not in sys.path:
 
 from bench.common import RunMonitor, markdown_table, print_header  # noqa: E402
 from glmserve.core.block_hash import CacheKeyRoot, block_hashes, reusable_blocks  # noqa: E402
+from glmserve.core.generation import SamplingParams  # noqa: E402
 from glmserve.engine.kv_cache_manager import KVCacheManager  # noqa: E402
 from glmserve.engine.request import Request  # noqa: E402
-from glmserve.engine.sampling_params import SamplingParams  # noqa: E402
 from glmserve.kv.block_index import InMemoryBlockIndex  # noqa: E402
 from glmserve.kv.block_pool import BlockPool  # noqa: E402
 from glmserve.services.kv_events import KVEventPublisher  # noqa: E402
