@@ -43,6 +43,7 @@ class ServeConfig:
     api_keys: tuple[str, ...] = ()
     ready_timeout_s: float = 300.0
     grace_s: float = 10.0  # how long a child may take to stop after SIGTERM
+    routing: str = "cache_aware"  # the router's --routing (checked by the router)
 
     def __post_init__(self) -> None:
         if not (self.model / "config.json").is_file():
@@ -62,7 +63,8 @@ class ServeConfig:
     def from_args(cls, args: argparse.Namespace) -> ServeConfig:
         return cls(args.model.resolve(), args.prefill_workers, args.decode_workers, port=args.port,
                    transfer=args.transfer, redis_url=args.redis_url, api_keys=tuple(args.api_key),
-                   ready_timeout_s=args.ready_timeout, host_tier_bytes=args.host_tier_bytes)
+                   ready_timeout_s=args.ready_timeout, host_tier_bytes=args.host_tier_bytes,
+                   routing=getattr(args, "routing", cls.routing))
 
 
 class LaunchError(Exception):
@@ -256,7 +258,7 @@ def _bring_up(launcher: Launcher) -> str:
         "router", "glmserve.services.router.main", "--model", str(cfg.model), "--host", cfg.host,
         "--port", str(cfg.port), "--kvstore", kvstore.address,
         "--prefill", ",".join(c.address for c in workers["prefill"]),
-        "--decode", ",".join(c.address for c in workers["decode"]),
+        "--decode", ",".join(c.address for c in workers["decode"]), "--routing", cfg.routing,
         *[arg for key in cfg.api_keys for arg in ("--api-key", key)], metrics=False)  # on its HTTP port
     launcher.wait_ready({router: lambda: router.announced}, deadline)
     launcher.wait_ready({router: _http_ok(f"{router.address}/ready")}, deadline)
