@@ -4,7 +4,7 @@ Times are seconds; ``start_s`` and ``scheduled_s`` count from the start of the r
 ``ok`` (the stream ended with ``[DONE]``), ``cancelled`` (the harness left on purpose, after N
 chunks or T seconds: not an error) or ``error`` (``error_kind`` says which: ``http_<status>``,
 ``stream_error``, ``incomplete_stream``, ``connect``, ``connection_lost``, ``timeout``,
-``bad_chunk``). Token counts come from the server's ``usage``; ``chunk_tokens`` (tokens per
+``bad_chunk``: not JSON, or not the OpenAI shape). Token counts come from the server's ``usage``; ``chunk_tokens`` (tokens per
 streamed chunk) only when the server said (logprobs) or ``None``.
 """
 

@@ -59,12 +59,13 @@ class StreamClient:
     """Shares one connection pool; ``base_url`` is the server root (``http://host:port``)."""
 
     def __init__(self, base_url: str, api_key: str | None = None, timeout_s: float = 600.0,
-                 max_connections: int = 256):
+                 max_connections: int = 256, transport: httpx.AsyncBaseTransport | None = None):
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.timeout_s = timeout_s
         self.http = httpx.AsyncClient(
             base_url=base_url, headers=headers, timeout=httpx.Timeout(timeout_s, connect=30.0),
             limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
+            transport=transport,
         )
 
     async def aclose(self) -> None:
@@ -95,6 +96,8 @@ class StreamClient:
             self._end(record, "error", "connect", repr(e))
         except httpx.HTTPError as e:
             self._end(record, "error", "connection_lost", repr(e))
+        except (ValueError, TypeError, AttributeError) as e:  # a chunk of the wrong shape: this request only
+            self._end(record, "error", "bad_chunk", repr(e))
         record.e2e_s = time.perf_counter() - start
         record.finish_timing()
         return out

@@ -124,6 +124,7 @@ def test_http_errors_are_counted_by_kind(server: str, tmp_path: Path) -> None:
     assert (report["errors"], report["errors_by_kind"], report["completed"]) == (2, {"http_404": 2}, 0)
 
 
+@pytest.mark.slow  # several runs or multi-turn sessions
 def test_agent_sessions_grow_hold_their_session_and_hit_the_cache(server: str, tmp_path: Path) -> None:
     out = tmp_path / "agent"
     assert bench("agent", "--url", server, "--out", str(out), "--sessions", "2", "--turns", "3", "--tools", "2",
@@ -167,6 +168,24 @@ def test_the_harness_reads_a_stream_as_the_openai_client_does(server: str) -> No
     assert record.chunks == sum(1 for c in chunks if c.choices and c.choices[0].delta.content)
 
 
+@pytest.mark.slow  # several runs or multi-turn sessions
+def test_text_prompts_over_chat_a_rate_sweep_and_input_caps(server: str, tmp_path: Path) -> None:
+    path = trace(tmp_path, [(0, 600, 2, [1, 2]), (0, 600, 2, [1, 2])])
+    out = tmp_path / "sweep"
+    assert bench("replay", str(path), "--url", server, "--out", str(out), "--endpoint", "chat", "--prompt-format",
+                 "text", "--tokens-per-block", "8", "--rate", "20,40", "--concurrency", "1") == 0
+    report = json.loads((out / "report.json").read_text())
+    assert [(s["label"], s["requests"], s["completed"]) for s in report["sections"]] == [("20/s", 2, 2), ("40/s", 2, 2)]
+    assert report["requests"] == 4 and all(r.endpoint == "chat" and r.prompt_tokens > 8 for r in read_jsonl(out / "requests.jsonl"))
+    capped = tmp_path / "capped"
+    assert bench("replay", str(path), "--url", server, "--out", str(capped), "--max-input-tokens", "10",
+                 "--max-requests", "1") == 0
+    [record] = read_jsonl(capped / "requests.jsonl")
+    assert (record.prompt_tokens_sent, record.prompt_tokens, record.output_tokens) == (10, 10, 2)
+    assert bench("replay", str(path), "--url", server, "--out", str(tmp_path / "x"), "--endpoint", "chat") == 2
+
+
+@pytest.mark.slow  # several runs or multi-turn sessions
 def test_compare_prints_and_plots_two_runs(server: str, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     path = trace(tmp_path, [(0, 600, 2, [1, 2]), (0, 600, 2, [1, 2])])
     for name in ("a", "b"):
