@@ -43,6 +43,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--agent", action="store_true", help="also run agent sessions per policy")
     p.add_argument("--agent-args", default=AGENT)
     p.add_argument("--skip-replay", action="store_true")
+    p.add_argument("--serve-args", default="", help="more `glmserve serve` arguments, e.g. --host-tier-bytes 0")
     return p.parse_args(argv)
 
 
@@ -74,7 +75,8 @@ class Platform:
         self.log = log.open("w")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "glmserve.cli", "serve", "--port", "0", "--routing", policy,
-             "--prefill-workers", str(args.prefill_workers), "--decode-workers", str(args.decode_workers)],
+             "--prefill-workers", str(args.prefill_workers), "--decode-workers", str(args.decode_workers),
+             *shlex.split(args.serve_args)],
             stdout=subprocess.PIPE, stderr=self.log, text=True, env=env, cwd=REPO)
         self.url = None
         for line in self.proc.stdout:
@@ -137,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     kinds = ([] if args.skip_replay else ["replay"]) + (["agent"] if args.agent else [])
     print(f"- command: `python bench/bench_routing_http.py {shlex.join(argv if argv is not None else sys.argv[1:])}`")
     print(f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {os.cpu_count()} CPUs; "
-          f"`glmserve serve --prefill-workers {args.prefill_workers} --decode-workers {args.decode_workers}`")
+          f"`glmserve serve --prefill-workers {args.prefill_workers} --decode-workers {args.decode_workers} "
+          f"{args.serve_args}`")
     for kind in kinds:
         print(f"\n{kind}: `glmserve bench {kind} {args.replay_args if kind == 'replay' else args.agent_args}`\n")
         print(HEADER, flush=True)

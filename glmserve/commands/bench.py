@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import shlex
 import sys
 from pathlib import Path
@@ -122,59 +123,48 @@ async def _run(args: argparse.Namespace, command: str) -> dict[str, Any]:
     from glmserve.loadgen.stream_client import StreamClient
 
     slo = SLO.from_arg(args.slo)
-    cancel = _cancel_rule(args)
-    entries = None
-    if args.bench_command == "replay":  # a bad trace fails before anything is sent
-        from glmserve.loadgen.trace import load_trace
-
-        entries = load_trace(args.trace, args.max_requests)
+    config, entries, tokenizer = _config(args)  # bad arguments or a bad trace fail before anything is sent
     connections = args.concurrency + 8 if args.concurrency else 1024
     client = StreamClient(_base_url(args.url), args.api_key, args.timeout_s, max_connections=connections)
     try:
-        model = args.model or await _served_model(client)
-        runner = _runner(args, model, cancel, client, entries)
+        if not config.model:
+            config = dataclasses.replace(config, model=await _served_model(client))
         before = await snapshot(client.http) if args.metrics else None
         with LiveProgress(enabled=not args.no_progress) as progress:
-            runner.progress = progress
-            sections = await runner.run() if args.bench_command == "replay" else [("agent", None, await runner.run())]
+            if args.bench_command == "agent":
+                from glmserve.loadgen.agent_sessions import AgentRun
+
+                sections = [("agent", None, await AgentRun(config, client, progress).run())]
+            else:
+                from glmserve.loadgen.replay import ReplayRun
+
+                sections = await ReplayRun(config, client, progress, tokenizer, entries).run()
         after = await snapshot(client.http) if args.metrics else None
     finally:
         await client.aclose()
-    report = build_report(args.bench_command, command, {**_settings(args), "model": model}, sections, slo,
+    report = build_report(args.bench_command, command, {**_settings(args), "model": config.model}, sections, slo,
                           (before, after))
     write_run(args.out, report, [r for _, _, rs in sections for r in rs], (before, after))
     return report
 
 
-def _runner(args: argparse.Namespace, model: str, cancel, client, entries):
-    from glmserve.loadgen.progress import LiveProgress
-
-    quiet = LiveProgress(enabled=False)
-    ignore_eos = not args.no_ignore_eos
+def _config(args: argparse.Namespace):
+    """(config, trace entries, tokenizer) from the command line; the model name may be left empty."""
+    cancel = _cancel_rule(args)
     if args.bench_command == "agent":
-        from glmserve.loadgen.agent_sessions import AgentConfig, AgentRun
+        from glmserve.loadgen.agent_sessions import AgentConfig
 
-        config = AgentConfig(
-            model, args.sessions, args.turns, args.concurrency, args.session_rate, args.repos, args.system_tokens,
-            args.tools, args.repo_tokens, args.task_tokens, args.tool_result_tokens,
-            args.max_output_tokens or AgentConfig.max_output_tokens, args.max_parallel_tools,
-            args.follow_up_fraction, args.think_s, args.tool_wait_s, cancel, args.cancel_fraction,
-            args.session_header, args.temperature, ignore_eos, args.seed)
-        return AgentRun(config, client, quiet)
-    from glmserve.loadgen.replay import ReplayConfig, ReplayRun, token_id_pool
-    from glmserve.loadgen.schedule import parse_rates
+        return AgentConfig.from_args(args, cancel), None, None
+    from glmserve.loadgen.replay import ReplayConfig, token_id_pool
+    from glmserve.loadgen.trace import load_trace
 
     tokenizer = None
     if args.tokenizer is not None:
         from glmserve.text.tokenizer import Tokenizer
 
         tokenizer = Tokenizer.from_dir(args.tokenizer)
-    config = ReplayConfig(
-        args.trace, model, args.max_requests, args.time_scale, args.tokens_per_block, args.max_input_tokens,
-        args.max_output_tokens, args.concurrency, parse_rates(args.rate), args.arrival, args.endpoint,
-        args.prompt_format, token_id_pool(tokenizer, _token_range(args.token_range)), ignore_eos,
-        args.temperature, args.chunk_logprobs, cancel, args.cancel_fraction, args.seed)
-    return ReplayRun(config, client, quiet, tokenizer, entries)
+    pool = token_id_pool(tokenizer, _token_range(args.token_range))
+    return ReplayConfig.from_args(args, cancel, pool), load_trace(args.trace, args.max_requests), tokenizer
 
 
 def print_summary(report: dict[str, Any], out: Path) -> None:

@@ -66,6 +66,16 @@ class AgentConfig:
         if self.think_s < 0 or self.tool_wait_s < 0:
             raise ValueError("think_s / tool_wait_s: must be >= 0")
 
+    @classmethod
+    def from_args(cls, args, cancel: CancelRule | None) -> AgentConfig:
+        """From `glmserve bench agent`'s arguments (same names as the fields)."""
+        names = ("sessions", "turns", "concurrency", "session_rate", "repos", "system_tokens", "tools",
+                 "repo_tokens", "task_tokens", "tool_result_tokens", "max_parallel_tools", "follow_up_fraction",
+                 "think_s", "tool_wait_s", "cancel_fraction", "session_header", "temperature", "seed")
+        return cls(model=args.model or "", cancel=cancel, ignore_eos=not args.no_ignore_eos,
+                   max_output_tokens=args.max_output_tokens or cls.max_output_tokens,
+                   **{n: getattr(args, n) for n in names})
+
 
 class AgentRun:
     def __init__(self, config: AgentConfig, client: StreamClient, progress: LiveProgress):

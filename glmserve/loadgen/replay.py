@@ -20,7 +20,7 @@ from typing import Any
 from glmserve.loadgen.progress import LiveProgress
 from glmserve.loadgen.prompt_blocks import TextBlocks, TokenBlocks
 from glmserve.loadgen.request_record import RequestRecord
-from glmserve.loadgen.schedule import ARRIVALS, rate_label, send_offsets
+from glmserve.loadgen.schedule import ARRIVALS, parse_rates, rate_label, send_offsets
 from glmserve.loadgen.stream_client import CancelRule, StreamClient
 from glmserve.loadgen.synthetic_text import seeded
 from glmserve.loadgen.trace import TRACE_BLOCK_TOKENS, TraceEntry, load_trace, scaled_input_length
@@ -71,6 +71,15 @@ class ReplayConfig:
             raise ValueError(f"cancel_fraction: must be in [0, 1], got {self.cancel_fraction}")
         if self.time_scale < 0:
             raise ValueError(f"time_scale: must be >= 0, got {self.time_scale}")
+
+    @classmethod
+    def from_args(cls, args, cancel: CancelRule | None, token_ids: Sequence[int]) -> ReplayConfig:
+        """From `glmserve bench replay`'s arguments (same names as the fields)."""
+        names = ("trace", "max_requests", "time_scale", "tokens_per_block", "max_input_tokens", "max_output_tokens",
+                 "concurrency", "arrival", "endpoint", "prompt_format", "temperature", "chunk_logprobs",
+                 "cancel_fraction", "seed")
+        return cls(model=args.model or "", rates=parse_rates(args.rate), token_ids=tuple(token_ids), cancel=cancel,
+                   ignore_eos=not args.no_ignore_eos, **{n: getattr(args, n) for n in names})
 
 
 class ReplayRun:
