@@ -93,9 +93,21 @@ class Platform:
         self.log.close()
 
 
+def start_platform(policy: str, args: argparse.Namespace, log: Path, attempts: int = 3) -> Platform:
+    """A platform start can lose a race for a free port to another process on a busy machine: retry."""
+    for attempt in range(attempts):
+        try:
+            return Platform(policy, args, log)
+        except RuntimeError:
+            if attempt == attempts - 1:
+                raise
+            print(f"(glmserve serve did not start, attempt {attempt + 1}; see {log}; retrying)", file=sys.stderr)
+    raise AssertionError("unreachable")
+
+
 def run_one(kind: str, policy: str, round_: int, args: argparse.Namespace) -> dict:
     out = args.out / f"{kind}-{policy}-r{round_}"
-    platform = Platform(policy, args, args.out / f"{kind}-{policy}-r{round_}.serve.log")
+    platform = start_platform(policy, args, args.out / f"{kind}-{policy}-r{round_}.serve.log")
     try:
         load_start, cpu_start, wall_start = _load(), _cpu_seconds(platform.proc.pid), time.monotonic()
         extra = shlex.split(args.replay_args if kind == "replay" else args.agent_args)

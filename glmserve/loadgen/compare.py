@@ -21,14 +21,15 @@ def _values(summary: dict[str, Any], key: str, fmt: str) -> list[tuple[str, Any]
 
 
 def comparison_table(a: dict[str, Any], b: dict[str, Any], names: tuple[str, str]) -> str:
-    lines = [f"{'metric':<32}{names[0]:>16}{names[1]:>16}{'ratio':>10}"]
+    w = max(16, *(len(n) + 2 for n in names))
+    lines = [f"{'metric':<32}{names[0]:>{w}}{names[1]:>{w}}{'ratio':>10}"]
     for label, key, fmt in ROWS:
         base = label.split(" p50")[0]
         for part, va in _values(a, key, fmt):
             vb = dict(_values(b, key, fmt))[part]
             name = f"{base} {part}".strip()
             ratio = f"{vb / va:.3f}" if isinstance(va, int | float) and isinstance(vb, int | float) and va else "-"
-            lines.append(f"{name:<32}{_fmt(va):>16}{_fmt(vb):>16}{ratio:>10}")
+            lines.append(f"{name:<32}{_fmt(va):>{w}}{_fmt(vb):>{w}}{ratio:>10}")
     return "\n".join(lines)
 
 

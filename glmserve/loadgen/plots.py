@@ -11,7 +11,7 @@ matplotlib.use("Agg")  # files only; never a display
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
-from matplotlib.ticker import NullFormatter  # noqa: E402
+from matplotlib.ticker import MaxNLocator, NullFormatter  # noqa: E402
 
 from glmserve.loadgen.request_record import RequestRecord  # noqa: E402
 
@@ -114,6 +114,7 @@ def cache_hits(groups: Groups, parts: int = 10) -> Figure:
     ax.set(title="cached-token ratio by turn" if by_turn else "cached-token ratio over the run",
            xlabel="turn" if by_turn else f"part of the run (1/{parts}, send order)",
            ylabel="cached / prompt tokens", ylim=(0, 1.05))
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.grid(alpha=0.3)
     _legend(ax)
     fig.tight_layout()
