@@ -51,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--routing", choices=["cache_aware", "least_loaded", "round_robin"], default="cache_aware",
                         help="how the router picks a prefill worker")
     launch.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for every service")
+    launch.add_argument("--metrics-port", type=int, default=0, dest="metrics_port_base",
+                        help="fixed metrics ports from BASE: kvstore BASE, prefill-i BASE+1+i, then decode-j "
+                        "after the prefill workers (0: free ports; the router's are on its HTTP port)")
     add_bench_parser(sub)
     layout = sub.add_parser("kv-layout", help="print the KV block layout and bytes per token of a model")
     _model_arg(layout)
