@@ -121,7 +121,8 @@ def run_one(kind: str, policy: str, round_: int, args: argparse.Namespace) -> di
     finally:
         platform.stop()
     report = json.loads((out / "report.json").read_text())
-    decisions = {k.split('"')[1]: int(v) for k, v in report.get("server_metrics_delta", {}).items()
+    decisions = {re.search(r'reason="([^"]+)"', k).group(1): int(v)
+                 for k, v in report.get("server_metrics_delta", {}).items()
                  if k.startswith("glmserve_router_routing_decisions_total")}
     return {"kind": kind, "policy": policy, "round": round_, "report": report, "wall": wall, "share": share,
             "load": f"{load_start} -> {load_end}", "decisions": decisions, "dir": out}
