@@ -6,6 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from glmserve.commands.bench import add_bench_parser
+
 DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "models" / "glm52-tiny"
 
 
@@ -41,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     from glmserve.commands.serve import add_serve_args  # the launcher owns its flags
 
     add_serve_args(launch)
+    add_bench_parser(sub)
     layout = sub.add_parser("kv-layout", help="print the KV block layout and bytes per token of a model")
     _model_arg(layout)
     layout.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
@@ -54,6 +57,10 @@ def main(argv: list[str] | None = None) -> int:
         from glmserve.commands.kv_layout import run_kv_layout
 
         return run_kv_layout(args)
+    if args.command == "bench":
+        from glmserve.commands.bench import run_bench
+
+        return run_bench(args, argv)
     if args.command == "serve":
         from glmserve.commands.serve import run_serve
 

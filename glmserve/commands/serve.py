@@ -53,6 +53,7 @@ class ServeConfig:
     drain_timeout_s: float = 30.0  # how long a stopping child may let running requests finish
     restart: RestartPolicy = field(default_factory=RestartPolicy)
     metrics_port_base: int = 0  # kvstore here, prefill-i at +1+i, decode-j after them; 0: free ports
+    routing: str = "cache_aware"  # the router's --routing (checked by the router)
 
     def __post_init__(self) -> None:
         if not (self.model / "config.json").is_file():
@@ -87,7 +88,8 @@ class ServeConfig:
                    transfer=args.transfer, redis_url=args.redis_url, api_keys=tuple(args.api_key),
                    ready_timeout_s=args.ready_timeout, host_tier_bytes=args.host_tier_bytes,
                    drain_timeout_s=args.drain_timeout, restart=restart,
-                   metrics_port_base=getattr(args, "metrics_port_base", 0))
+                   metrics_port_base=getattr(args, "metrics_port_base", 0),
+                   routing=getattr(args, "routing", cls.routing))
 
     def metrics_port(self, index: int) -> int | None:
         """The fixed metrics port of child ``index`` (kvstore 0, prefill 1..P, decode after); None: free."""
@@ -104,6 +106,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host-tier-bytes", type=int, default=256 << 20,
                    help="size of the kvstore's host (CPU) KV tier; 0: none")
     p.add_argument("--api-key", action="append", default=[], help="require this key (repeatable)")
+    p.add_argument("--routing", choices=["cache_aware", "least_loaded", "round_robin"], default="cache_aware",
+                   help="how the router picks a prefill worker")
     p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for every service")
     p.add_argument("--drain-timeout", type=float, default=ServeConfig.drain_timeout_s,
                    help="on stop, seconds each service lets running requests finish")
@@ -186,7 +190,8 @@ def plan(cfg: ServeConfig) -> list[ChildSpec]:
     specs.append(ChildSpec("router", "router", (
         py, "-m", "glmserve.services.router.main", "--model", str(cfg.model), "--host", cfg.host,
         "--port", str(router_port), "--kvstore", kv, "--prefill", ",".join(addresses["prefill"]),
-        "--decode", ",".join(addresses["decode"]), *[a for key in cfg.api_keys for a in ("--api-key", key)]),
+        "--decode", ",".join(addresses["decode"]), "--routing", cfg.routing,
+        *[a for key in cfg.api_keys for a in ("--api-key", key)]),
         url, None, STOP_RANKS["router"], ready=http_ok(f"{url}/ready")))
     return specs
 

@@ -18,7 +18,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from worker_fixtures import HAS_MODEL, MODEL_DIR, WorkerProcess, generate, generate_request
 
-from glmserve.engine.sampling_params import SamplingParams
+from glmserve.core.generation import SamplingParams
 from glmserve.model.greedy import greedy_generate
 from glmserve.model.loader import load_model
 from glmserve.proto_gen.glmserve.decode.v1 import decode_pb2_grpc as decode_grpc
