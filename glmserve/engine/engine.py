@@ -219,13 +219,19 @@ class Engine:
     def held_prefill(self, request_id: str) -> HeldPrefill:
         """What a finished prefill-only request kept (its blocks stay owned until `release`)."""
         req = self.held[request_id]
-        return HeldPrefill(list(req.block_ids), PrefillOutput(
+        output = PrefillOutput(
             first_token=req.output_ids[0],
             mtp_hidden=req.last_hidden.detach().float().contiguous().numpy().tobytes(),
             first_logprob=req.output_logprobs[0] if req.output_logprobs else None,
             first_top_logprobs=req.output_top_logprobs[0] if req.output_top_logprobs else [],
             num_cached_tokens=req.num_cached_prompt,
-        ))
+        )
+        timed = req.scheduled_time is not None and req.first_token_time is not None
+        return HeldPrefill(
+            list(req.block_ids), output,
+            queue_s=req.scheduled_time - req.arrival if timed else None,
+            compute_s=req.first_token_time - req.scheduled_time if timed else None,
+        )
 
     def add_prefilled(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                       prefilled: PrefillOutput, cache_salt: str | None = None) -> TokenEvent:
@@ -258,7 +264,7 @@ class Engine:
         return EngineLoad(
             running=len(self.scheduler.running), waiting=self.scheduler.num_waiting, held=len(self.held),
             reserved=len(self.reserved), free_blocks=self.pool.num_free, used_blocks=self.pool.num_used,
-            total_blocks=self.pool.num_blocks,
+            total_blocks=self.pool.num_blocks, evictions=self.pool.num_evictions,
         )
 
     @property
@@ -340,6 +346,7 @@ class Engine:
         if drafts:
             self.stats.draft_tokens += len(drafts)
             self.stats.accepted_tokens += len(tokens) - 1
+            self.stats.draft_lengths[len(drafts)] += 1
         self.stats.acceptance_lengths[len(tokens)] += 1
         self.kv.trim(req, req.num_computed + 1)
         return tokens

@@ -18,6 +18,8 @@ class EngineStats:
     aborts: int = 0
     # Tokens a decoding request gained per verify step (1 + accepted drafts) -> number of such steps.
     acceptance_lengths: Counter = field(default_factory=Counter)
+    # Draft length k of each verified drafting step -> number of such steps.
+    draft_lengths: Counter = field(default_factory=Counter)
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -40,3 +42,4 @@ class EngineLoad:
     free_blocks: int  # free or only prefix-cached
     used_blocks: int  # with an owner
     total_blocks: int
+    evictions: int = 0  # cached blocks evicted so far (a counter)

@@ -33,7 +33,9 @@ class PrefillOutput:
 @dataclass(frozen=True)
 class HeldPrefill:
     """A finished prefill-only request: the blocks holding its prompt KV (owned until
-    ``Engine.release``) and what decode needs to continue it."""
+    ``Engine.release``), what decode needs to continue it, and how long its phases took."""
 
     block_ids: list[int]
     output: PrefillOutput
+    queue_s: float | None = None  # arrival at the engine to first scheduled
+    compute_s: float | None = None  # first scheduled to the first token (the prompt's KV computed)

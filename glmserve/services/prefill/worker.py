@@ -173,6 +173,9 @@ class PrefillWorker:
                 return add_it() if loaded is None else loaded.apply(e, add_it)
 
             held = await self._compute(job, add)
+            if self.metrics is not None and held.queue_s is not None:
+                self.metrics.queue_time.observe(held.queue_s)
+                self.metrics.prefill_time.observe(held.compute_s)
             if self.host_metrics is not None:
                 host_blocks = 0 if loaded is None else loaded.host_blocks
                 self.host_metrics.count_hits(held.output.num_cached_tokens,
