@@ -32,6 +32,7 @@ from glmserve.core.block_hash import block_hashes, reusable_blocks
 from glmserve.engine.host_offload import HostWrite
 from glmserve.kv.host_pool import write_stamp
 from glmserve.kv.transfer import KVTransferBackend, TransferError, TransferStamp
+from glmserve.kv.transfer.timeouts import AGREED
 from glmserve.services.engine_host import EngineHost
 from glmserve.services.host_metrics import HostTierMetrics
 from glmserve.services.kvstore.client import AsyncKVStoreClient, HostAttachment, KVStoreError
@@ -51,7 +52,7 @@ class HostSettings:
     address: str  # host:port of the kvstore
     worker_id: str
     write_through: bool = True  # write a finished request's full blocks to the host
-    load_timeout_s: float = 70.0  # a load's deadline; undrained destinations wait this long
+    load_timeout_s: float = AGREED.release_s  # a load's deadline; undrained destinations wait this long
 
     def __post_init__(self) -> None:
         if not self.address or not self.worker_id:
@@ -71,12 +72,12 @@ class Loaded:
     def apply(self, engine: Engine, then: object) -> object:
         """On the engine thread: hash the loaded blocks, run ``then()`` (add the request, which
         acquires them), then drop the load's ownership whatever ``then`` did."""
-        assert engine.host is not None
-        engine.host.commit_load(self.key, self.host_blocks)
+        assert engine.host_tier is not None
+        engine.host_tier.commit_load(self.key, self.host_blocks)
         try:
             return then()  # type: ignore[operator]
         finally:
-            engine.host.end_load(self.key)
+            engine.host_tier.end_load(self.key)
 
 
 class HostLink:
@@ -109,8 +110,8 @@ class HostLink:
 
         def attach(e: Engine) -> tuple[bytes | None, int]:
             dropped = self.metrics.demotions_dropped.inc if self.metrics is not None else None
-            e.attach_host(self._write_through, self._notify, dropped)  # Counter.inc is thread-safe
-            return e.kv.root_hash, e.config.block_size
+            e.attach_host_tier(self._write_through, self._notify, dropped)  # Counter.inc is thread-safe
+            return e.cache_root or None, e.limits().block_size
 
         self._root, self._block_size = await self._engine.submit(attach)
         self.ready = True
@@ -157,7 +158,7 @@ class HostLink:
             if self.metrics is not None:
                 self.metrics.failures.labels(op=write.kind).inc()
         finally:  # the write is final here: the rows go back to the engine
-            self._engine.submit_nowait(lambda e: e.host.write_done(write, stored))
+            self._engine.submit_nowait(lambda e: e.host_tier.write_done(write, stored))
 
     async def _copy(self, write: HostWrite) -> list[bytes]:
         assert self._client is not None and self._peer is not None
@@ -195,7 +196,7 @@ class HostLink:
             return None
         hashes = await asyncio.to_thread(block_hashes, self._root, list(prompt_ids[: n * self._block_size]),
                                          self._block_size, salt=salt)
-        first = await self._engine.submit(lambda e: e.host.device_hits(hashes))
+        first = await self._engine.submit(lambda e: e.host_tier.device_hits(hashes))
         try:
             on_host = await self._client.host_lookup(hashes[first:]) if first < n else 0
         except KVStoreError as e:
@@ -204,7 +205,7 @@ class HostLink:
         if on_host == 0:
             return None
         wanted = hashes[: first + on_host]
-        device, dest = await self._engine.submit(lambda e: e.host.begin_load(key, wanted))
+        device, dest = await self._engine.submit(lambda e: e.host_tier.begin_load(key, wanted))
         loaded = await self._transfer(key, generation, wanted[device: device + len(dest)], dest)
         if loaded == 0:
             return Loaded(key, device, 0)  # still holds the device hits: apply() or cancel() ends it
@@ -268,7 +269,7 @@ class HostLink:
         """Give the load's blocks back after ``delay_s`` (0: now)."""
 
         def give_back() -> None:
-            self._engine.submit_nowait(lambda e: e.host.cancel_load(key))
+            self._engine.submit_nowait(lambda e: e.host_tier.cancel_load(key))
 
         if delay_s <= 0:
             give_back()
@@ -277,7 +278,7 @@ class HostLink:
 
     def release(self, key: str) -> None:
         """Give back what a finished load still holds (the request was not added after all)."""
-        self._engine.submit_nowait(lambda e: e.host.cancel_load(key))
+        self._engine.submit_nowait(lambda e: e.host_tier.cancel_load(key))
 
     def _failed(self, op: str, error: Exception) -> None:
         log.warning("host tier %s: %s", op, error)

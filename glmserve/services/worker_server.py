@@ -25,6 +25,7 @@ import grpc
 from prometheus_client import CollectorRegistry
 
 from glmserve.kv.transfer import KVTransferBackend, make_backend, nixl_unavailable_reason
+from glmserve.kv.transfer.timeouts import AGREED
 from glmserve.services.host_link import HostSettings
 from glmserve.services.kv_events import KVEventPublisher, PublisherCollector
 from glmserve.services.kvstore.client import KVStoreClient
@@ -35,7 +36,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-DEFAULT_TRANSFER_TIMEOUT_S = 50.0  # a write is final within this + the drain timeout (5 s)
+DEFAULT_TRANSFER_TIMEOUT_S = AGREED.write_s  # a write is final within this + the drain timeout
 GRACE_S = 2.0  # how long in-flight RPCs may finish on shutdown
 DEFAULT_STAGING_BLOCKS = 8
 
@@ -158,13 +159,13 @@ def build_engine(model: str, revision: str | None, config: dict[str, Any],
 
     engine = Engine.from_model_dir(model, revision=revision, **config)
     if publisher is not None:
-        engine.pool.add_listener(publisher)
+        engine.add_block_listener(publisher)
     return engine
 
 
 def start_block_events(kvstore: str | None, worker_id: str) -> KVEventPublisher | None:
     """The publisher of this worker's block events to ``kvstore`` (None: no kvstore), started.
-    Attach it to the engine's pool with ``engine.pool.add_listener``; ``close()`` it on exit."""
+    Attach it with ``engine.add_block_listener``; ``close()`` it on exit."""
     if kvstore is None:
         return None
     publisher = KVEventPublisher(worker_id, KVStoreClient(kvstore, timeout_s=0.5))

@@ -9,7 +9,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from glmserve.core.generation import SamplingParams
+from glmserve.core.generation import SamplingParams, check_prompt
+from glmserve.engine.engine_stats import EngineLimits
 from glmserve.kv.transfer import TransferStamp
 from glmserve.services.decode.arrivals import TransferArrivals
 from glmserve.services.decode.prefill_client import PrefillPort
@@ -33,21 +34,12 @@ class FlowContext:
     metrics: WorkerMetrics | None
     target: bytes  # this worker's transfer target_info()
     transfer_kind: str
-    block_size: int
-    vocab_size: int
-    max_positions: int
+    limits: EngineLimits
     completions: Callable[[], list[TransferStamp]]  # the receiving backend's
     quarantined: set[asyncio.TimerHandle] = field(default_factory=set)
 
     def validate(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
-        if not prompt_ids:
-            raise ValueError("prompt_ids: a prompt needs at least one token")
-        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt_ids: token ids out of range [0, {self.vocab_size}): {bad[:5]}")
-        if len(prompt_ids) + params.max_tokens > self.max_positions:
-            raise ValueError(f"prompt_ids: {len(prompt_ids)} tokens plus max_tokens {params.max_tokens} "
-                             f"exceed the model's {self.max_positions} positions")
+        check_prompt(list(prompt_ids), params, self.limits.vocab_size, self.limits.max_positions)
 
     def poll_completions(self) -> None:
         """Hand every completion that arrived to the flow expecting it (stale ones are dropped).

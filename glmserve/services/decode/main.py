@@ -20,6 +20,7 @@ import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from glmserve.kv.transfer.timeouts import AGREED
 from glmserve.proto_gen.glmserve.decode.v1 import decode_pb2_grpc as pb_grpc
 from glmserve.services.decode.prefill_client import GrpcPrefillClient
 from glmserve.services.decode.servicer import DecodeServicer
@@ -39,7 +40,7 @@ from glmserve.services.worker_server import (
 
 @dataclass(frozen=True)
 class DecodeConfig(WorkerConfig):
-    prefill_timeout_s: float = 60.0
+    prefill_timeout_s: float = AGREED.release_s  # the agreed timeout (kv/transfer/timeouts.py)
     checksum: bool = False
 
     def __post_init__(self) -> None:

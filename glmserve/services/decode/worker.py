@@ -18,8 +18,9 @@ Blocks reserved for an incoming transfer are freed only when no more bytes can l
 (DESIGN invariant 2). On abort (client cancel, Abort RPC, shutdown), prefill error or timeout
 during stage 2 the flow tells the prefill worker to Abort at once and frees the blocks according
 to its answer (`DecodeFlow._give_back`): drained -> now; peer gone -> after a short grace;
-otherwise -> after ``prefill_timeout_s``, the timeout both sides agree on (the prefill workers'
-transfer timeout plus drain is below it). A transfer that completed is drained by definition.
+otherwise -> after ``prefill_timeout_s``, the timeout both sides agree on
+(`glmserve.kv.transfer.timeouts.AGREED.release_s`: the prefill workers' write timeout plus drain
+is below it). A transfer that completed is drained by definition.
 A completion of an old generation is ignored (stage 2 only accepts the exact pair it expects).
 """
 
@@ -34,6 +35,7 @@ from typing import TYPE_CHECKING
 from glmserve.core.generation import SamplingParams, TokenEvent
 from glmserve.kv.block_pool import OutOfBlocks
 from glmserve.kv.transfer import KVTransferBackend, TransferStamp
+from glmserve.kv.transfer.timeouts import AGREED
 from glmserve.services.decode.arrivals import TransferArrivals
 from glmserve.services.decode.flow import DecodeFlow
 from glmserve.services.decode.flow_context import FlowContext
@@ -59,7 +61,7 @@ class DecodeFull(DecodeUnavailable):
 
 @dataclass(frozen=True)
 class DecodeSettings:
-    prefill_timeout_s: float = 60.0  # Prefill call deadline; quarantine of undrained blocks
+    prefill_timeout_s: float = AGREED.release_s  # Prefill call deadline; quarantine of undrained blocks
     arrival_timeout_s: float = 5.0  # after the Prefill answer, how long the completion may lag
     dead_peer_grace_s: float = 1.0  # a gone prefill worker: until its last bytes surely landed
     checksum: bool = False  # ask prefill workers to stamp transfers with a checksum
@@ -126,19 +128,14 @@ class DecodeWorker:
         self._engine.start()
         await self._engine.loaded()
 
-        def limits(e: Engine) -> tuple[object, ...]:
-            c = e.model.config
-            return e.cache.buffer, c.vocab_size, c.max_position_embeddings, e.config.block_size
-
-        buffer, vocab, max_positions, block_size = await self._engine.submit(limits)
+        buffer, limits = await self._engine.submit(lambda e: (e.kv_buffer, e.limits()))
         self._backend.register(buffer)
         if self._host is not None:
             await self._host.start(buffer)
         self._context = FlowContext(
             engine=self._engine, prefill=self._prefill, arrivals=self._arrivals,
             settings=self._settings, metrics=self.metrics, target=self._backend.target_info(),
-            transfer_kind=self._backend.kind, block_size=int(block_size), vocab_size=int(vocab),
-            max_positions=int(max_positions), completions=self._backend.completions,
+            transfer_kind=self._backend.kind, limits=limits, completions=self._backend.completions,
         )
 
     def health(self) -> WorkerHealth:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import grpc
 
 from glmserve.kv.block_index import BlockIndex, InMemoryBlockIndex, RedisBlockIndex
+from glmserve.kv.transfer.timeouts import AGREED
 from glmserve.proto_gen.glmserve.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from glmserve.services.kvstore.host_tier import HostTier
 from glmserve.services.kvstore.metrics import KVStoreMetrics
@@ -44,7 +45,7 @@ class KVStoreConfig:
     grace_s: float = 2.0  # how long in-flight RPCs may finish on shutdown
     host_tier_bytes: int = 0  # 0: no host tier
     transfer: str = "auto"  # host-tier transfer backend: auto (NIXL when it imports), nixl, tcp
-    host_lease_timeout_s: float = 120.0  # > the workers' transfer timeout + drain
+    host_lease_timeout_s: float = AGREED.lease_s  # > the workers' write timeout + drain
     host_holder_id: str = "host"  # index holder id of host-tier blocks
     check_integrity: bool = False  # check the host pool after every operation (tests)
     fault_load_delay_s: float = 0.0  # test-only fault injection (see HostTier)
@@ -99,7 +100,7 @@ class KVStoreConfig:
     def build_host_tier(self, index: BlockIndex) -> HostTier | None:
         if self.host_tier_bytes == 0:
             return None
-        backend = build_backend(self.transfer, self.host, self.host_lease_timeout_s / 2)
+        backend = build_backend(self.transfer, self.host, AGREED.write_s)  # writes into worker blocks
         return HostTier(self.host_tier_bytes, backend, index, holder_id=self.host_holder_id,
                         lease_timeout_s=self.host_lease_timeout_s, check_integrity=self.check_integrity,
                         fault_load_delay_s=self.fault_load_delay_s)

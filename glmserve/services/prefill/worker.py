@@ -100,7 +100,7 @@ class PrefillWorker:
         """Load the engine and register its KV buffer with the transfer backend."""
         self._engine.start()
         await self._engine.loaded()
-        self._buffer = await self._engine.submit(lambda e: e.cache.buffer)
+        self._buffer = await self._engine.submit(lambda e: e.kv_buffer)
         self._backend.register(self._buffer)
         if self._host is not None:
             await self._host.start(self._buffer)
