@@ -68,7 +68,7 @@ async def serve(config: DecodeConfig) -> int:
         GrpcPrefillClient(),
         DecodeSettings(prefill_timeout_s=config.prefill_timeout_s, checksum=config.checksum),
         metrics=lambda engine: WorkerMetrics("decode", config.worker_id, lambda: engine.snapshot),
-        host=config.host_settings(),
+        host_tier=config.host_tier_settings(),
     )
     servicer = DecodeServicer(worker, config.worker_id)
     return await serve_worker(config, worker, lambda server: pb_grpc.add_DecodeServicer_to_server(servicer, server),

@@ -41,8 +41,8 @@ from glmserve.services.decode.flow import DecodeFlow
 from glmserve.services.decode.flow_context import FlowContext
 from glmserve.services.decode.prefill_client import PrefillPort
 from glmserve.services.engine_host import EngineHost
-from glmserve.services.host_link import HostLink, HostSettings
 from glmserve.services.host_metrics import HostTierMetrics
+from glmserve.services.host_tier_link import HostTierLink, HostTierSettings
 from glmserve.services.worker_metrics import TokenTimer, WorkerMetrics
 
 if TYPE_CHECKING:
@@ -99,19 +99,19 @@ class DecodeWorker:
     def __init__(
         self,
         engine_factory: Callable[[], Engine],
-        backend: KVTransferBackend,
+        transfer: KVTransferBackend,
         prefill: PrefillPort,
         settings: DecodeSettings = DecodeSettings(),
         metrics: Callable[[EngineHost], WorkerMetrics] | None = None,
-        host: HostSettings | None = None,
+        host_tier: HostTierSettings | None = None,
     ) -> None:
-        """``host``: write finished requests' blocks (prompt and generated) through to the kvstore's
+        """``host_tier``: write finished requests' blocks (prompt and generated) through to the kvstore's
         host tier, and demote evicted ones there."""
         self._engine = EngineHost(engine_factory, "decode-engine")
         self.metrics = metrics(self._engine) if metrics is not None else None
         self.host_metrics = HostTierMetrics(self.metrics.registry) if self.metrics is not None else None
-        self._host = HostLink(host, backend, self._engine, self.host_metrics) if host is not None else None
-        self._backend = backend
+        self._host_tier = HostTierLink(host_tier, transfer, self._engine, self.host_metrics) if host_tier else None
+        self._transfer = transfer
         self._prefill = prefill
         self._settings = settings
         self._arrivals = TransferArrivals(self._on_stale)
@@ -129,13 +129,13 @@ class DecodeWorker:
         await self._engine.loaded()
 
         buffer, limits = await self._engine.submit(lambda e: (e.kv_buffer, e.limits()))
-        self._backend.register(buffer)
-        if self._host is not None:
-            await self._host.start(buffer)
+        self._transfer.register(buffer)
+        if self._host_tier is not None:
+            await self._host_tier.start(buffer)
         self._context = FlowContext(
             engine=self._engine, prefill=self._prefill, arrivals=self._arrivals,
-            settings=self._settings, metrics=self.metrics, target=self._backend.target_info(),
-            transfer_kind=self._backend.kind, limits=limits, completions=self._backend.completions,
+            settings=self._settings, metrics=self.metrics, target=self._transfer.target_info(),
+            transfer_kind=self._transfer.kind, limits=limits, completions=self._transfer.completions,
         )
 
     def health(self) -> WorkerHealth:
@@ -200,10 +200,10 @@ class DecodeWorker:
             await asyncio.wait([f.task for f in flows if f.task is not None], timeout=10.0)
         if self._context is not None:
             self._context.cancel_quarantines()
-        if self._host is not None:
-            await self._host.close()
+        if self._host_tier is not None:
+            await self._host_tier.close()
         await self._engine.stop()
-        self._backend.close()
+        self._transfer.close()
         await self._prefill.close()
 
     # --- hooks ------------------------------------------------------------------------------------

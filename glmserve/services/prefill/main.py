@@ -58,7 +58,7 @@ async def serve(config: PrefillConfig) -> int:
         lambda: build_engine(config.model, config.revision, config.engine_config(), publisher),
         backend,
         metrics=lambda engine: WorkerMetrics("prefill", config.worker_id, lambda: engine.snapshot),
-        host=config.host_settings(),
+        host_tier=config.host_tier_settings(),
     )
     servicer = PrefillServicer(worker, config.worker_id)
     return await serve_worker(config, worker, lambda server: pb_grpc.add_PrefillServicer_to_server(servicer, server),

@@ -1,11 +1,11 @@
-"""HostLink: a worker's connection to the kvstore's host tier (write-through, demotion, load-back).
+"""HostTierLink: a worker's connection to the kvstore's host tier (write-through, demotion, load-back).
 
 Shared by the prefill and decode workers. The engine side (which blocks, who owns them) is the
 engine's `HostOffload`; this moves the bytes with the worker's own transfer backend and talks to
 the kvstore over gRPC (``AsyncKVStoreClient``). Nothing here blocks the event loop.
 
 Writes (write-through and demotion): ``host_begin_write`` leases host rows for the hashes the host
-lacks, ``backend.write`` copies our rows there (stamp ``write_stamp(lease)``), ``host_end_write``
+lacks, ``transfer.write`` copies our rows there (stamp ``write_stamp(lease)``), ``host_end_write``
 commits them once done (or gives them back once drained; a write that could not be confirmed
 drained leaves its lease to the kvstore's timeout). The engine gets its rows back when the write
 is final.
@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class HostSettings:
+class HostTierSettings:
     """How a worker uses the kvstore's host tier."""
 
     address: str  # host:port of the kvstore
@@ -80,11 +80,11 @@ class Loaded:
             engine.host_tier.end_load(self.key)
 
 
-class HostLink:
-    def __init__(self, settings: HostSettings, backend: KVTransferBackend, engine: EngineHost,
+class HostTierLink:
+    def __init__(self, settings: HostTierSettings, transfer: KVTransferBackend, engine: EngineHost,
                  metrics: HostTierMetrics | None, *, rpc_timeout_s: float = 2.0) -> None:
         self.address, self.worker_id = settings.address, settings.worker_id
-        self._backend, self._engine, self.metrics = backend, engine, metrics
+        self._transfer, self._engine, self.metrics = transfer, engine, metrics
         self._write_through, self._load_timeout_s = settings.write_through, settings.load_timeout_s
         self._rpc_timeout_s = rpc_timeout_s
         self._client: AsyncKVStoreClient | None = None
@@ -98,12 +98,12 @@ class HostLink:
     # -- setup --------------------------------------------------------------------------------------
 
     async def start(self, buffer: torch.Tensor) -> bool:
-        """Attach to the host tier (after ``backend.register(buffer)``); False, logged, if it cannot."""
+        """Attach to the host tier (after ``transfer.register(buffer)``); False, logged, if it cannot."""
         self._client = AsyncKVStoreClient(self.address, timeout_s=self._rpc_timeout_s)
         self._block_bytes = buffer[0].numel() * buffer.element_size()
         try:
             attachment = await self._attach()
-            self._peer = await asyncio.to_thread(self._backend.connect, attachment.target_info)
+            self._peer = await asyncio.to_thread(self._transfer.connect, attachment.target_info)
         except (KVStoreError, TransferError, ValueError, OSError) as e:
             log.warning("host tier at %s not used: %s", self.address, e)
             return False
@@ -125,8 +125,8 @@ class HostLink:
         deadline = time.monotonic() + wait_s
         while True:
             try:
-                return await self._client.host_attach(self.worker_id, self._backend.kind, self._block_bytes,
-                                                      self._backend.target_info())
+                return await self._client.host_attach(self.worker_id, self._transfer.kind, self._block_bytes,
+                                                      self._transfer.target_info())
             except KVStoreError as e:
                 if not e.unavailable or time.monotonic() > deadline:
                     raise
@@ -166,7 +166,7 @@ class HostLink:
         if not grant.lease_id:
             return []
         row_of = dict(zip(write.hashes, write.rows, strict=True))
-        handle = self._backend.write(self._peer, write_stamp(grant.lease_id),
+        handle = self._transfer.write(self._peer, write_stamp(grant.lease_id),
                                      [row_of[h] for h in grant.hashes], grant.block_ids)
         await asyncio.to_thread(handle.wait)
         if handle.state != "done":
@@ -244,7 +244,7 @@ class HostLink:
         """The load's completion (DESIGN invariant 3: check the stamp before using the blocks)."""
         deadline = time.monotonic() + timeout_s
         while expected not in self._arrived:
-            for stamp in self._backend.completions():
+            for stamp in self._transfer.completions():
                 self._arrived.add(stamp)
             if expected in self._arrived:
                 break
