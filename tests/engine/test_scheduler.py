@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from glmserve.core.generation import SamplingParams
 from glmserve.engine.kv_cache_manager import KVCacheManager
-from glmserve.engine.request import Request, RequestStatus
+from glmserve.engine.request import Request
 from glmserve.engine.scheduler import Scheduler, SchedulerConfig
 from glmserve.kv.block_pool import BlockPool
 
