@@ -7,8 +7,6 @@ import json
 import sys
 import time
 
-import torch
-
 from glmserve.engine.engine import Engine
 from glmserve.engine.sampling_params import SamplingParams
 from glmserve.text.detokenizer import IncrementalDetokenizer
@@ -35,7 +33,7 @@ def run_generate(args: argparse.Namespace) -> int:
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed
     )
-    engine = Engine.from_model_dir(args.model, dtype=getattr(torch, args.dtype), mtp=mtp_setting(args.mtp))
+    engine = Engine.from_model_dir(args.model, dtype=args.dtype, mtp=mtp_setting(args.mtp))
     detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=True)
     start = time.perf_counter()
     first = None
