@@ -105,6 +105,6 @@ def peer_command(venv: Path, model_dir: Path, port: int, max_model_len: int,
     argv = [str(venv / "bin" / "vllm"), "serve", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
             "--served-model-name", "peer", "--model-impl", "transformers", "--dtype", dtype,
             "--enforce-eager", "--max-model-len", str(max_model_len), "--seed", "0"]
-    env = {**os.environ, **PEER_ENV, "VLLM_CPU_KVCACHE_SPACE": "4"}
+    env = {**os.environ, **PEER_ENV, "VLLM_CPU_KVCACHE_SPACE": "1"}
     env.pop("PYTHONPATH", None)
     return argv, env

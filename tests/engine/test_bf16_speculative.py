@@ -22,13 +22,14 @@ def bf16_model():
 
 def _outputs(model, mtp, ps) -> tuple[list[list[int]], Engine]:
     engine = Engine(model, EngineConfig(block_size=16, kv_cache_bytes=4 * 2**20, max_step_tokens=256, mtp=mtp))
-    reqs = engine.generate(ps, SamplingParams(max_tokens=24, temperature=0.0))
+    reqs = engine.generate(ps, SamplingParams(max_tokens=20, temperature=0.0))
     return [r.output_ids for r in reqs], engine
 
 
+@pytest.mark.slow  # bf16 GEMMs without AVX512-BF16 are slow
 @pytest.mark.parametrize("mtp", [1, 3, "auto"])
 def test_bf16_speculative_equals_non_speculative(bf16_model, mtp):
-    ps = prompts(6, seed=21)
+    ps = prompts(4, seed=21, max_len=60)
     plain, _ = _outputs(bf16_model, "off", ps)
     spec, engine = _outputs(bf16_model, mtp, ps)
     assert spec == plain
