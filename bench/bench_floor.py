@@ -27,8 +27,8 @@ if str(REPO) not in sys.path:
 
 from bench.common import RunMonitor, markdown_table, print_header, setup  # noqa: E402
 from bench.gemm_floor import gemm_summary, op_count, record, replay_fn, top_ops, total_flops  # noqa: E402
+from glmserve.core.generation import SamplingParams  # noqa: E402
 from glmserve.engine.engine import Engine, EngineConfig  # noqa: E402
-from glmserve.engine.sampling_params import SamplingParams  # noqa: E402
 from glmserve.model.dtype_choice import resolve_dtype  # noqa: E402
 from glmserve.model.loader import load_model  # noqa: E402
 

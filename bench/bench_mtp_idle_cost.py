@@ -24,8 +24,8 @@ if str(REPO) not in sys.path:
 
 from bench.bench_engine_throughput import code_prompts  # noqa: E402
 from bench.common import RunMonitor, markdown_table, print_header, rotated, setup  # noqa: E402
+from glmserve.core.generation import SamplingParams  # noqa: E402
 from glmserve.engine.engine import Engine, EngineConfig  # noqa: E402
-from glmserve.engine.sampling_params import SamplingParams  # noqa: E402
 from glmserve.model.dtype_choice import resolve_dtype  # noqa: E402
 from glmserve.model.loader import load_model  # noqa: E402
 from glmserve.text.tokenizer import Tokenizer  # noqa: E402

@@ -44,6 +44,7 @@ class ServeConfig:
     ready_timeout_s: float = 300.0
     grace_s: float = 10.0  # how long a child may take to stop after SIGTERM
     metrics_port_base: int = 0  # kvstore here, prefill-i at +1+i, decode-j after them; 0: free ports
+    routing: str = "cache_aware"  # the router's --routing (checked by the router)
 
     def __post_init__(self) -> None:
         if not (self.model / "config.json").is_file():
@@ -68,7 +69,8 @@ class ServeConfig:
         return cls(args.model.resolve(), args.prefill_workers, args.decode_workers, port=args.port,
                    transfer=args.transfer, redis_url=args.redis_url, api_keys=tuple(args.api_key),
                    ready_timeout_s=args.ready_timeout, host_tier_bytes=args.host_tier_bytes,
-                   metrics_port_base=getattr(args, "metrics_port_base", 0))
+                   metrics_port_base=getattr(args, "metrics_port_base", 0),
+                   routing=getattr(args, "routing", cls.routing))
 
     def metrics_port(self, index: int) -> int | None:
         """The fixed metrics port of child ``index`` (kvstore 0, prefill 1..P, decode after); None: free."""
@@ -268,7 +270,7 @@ def _bring_up(launcher: Launcher) -> str:
         "router", "glmserve.services.router.main", "--model", str(cfg.model), "--host", cfg.host,
         "--port", str(cfg.port), "--kvstore", kvstore.address,
         "--prefill", ",".join(c.address for c in workers["prefill"]),
-        "--decode", ",".join(c.address for c in workers["decode"]),
+        "--decode", ",".join(c.address for c in workers["decode"]), "--routing", cfg.routing,
         *[arg for key in cfg.api_keys for arg in ("--api-key", key)], metrics=False)  # on its HTTP port
     launcher.wait_ready({router: lambda: router.announced}, deadline)
     launcher.wait_ready({router: _http_ok(f"{router.address}/ready")}, deadline)

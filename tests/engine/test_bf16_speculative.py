@@ -6,8 +6,8 @@ import pytest
 import torch
 from engine_fixtures import prompts, random_model
 
+from glmserve.core.generation import SamplingParams
 from glmserve.engine.engine import Engine, EngineConfig
-from glmserve.engine.sampling_params import SamplingParams
 from glmserve.model.loader import FP32_SUFFIXES
 
 
