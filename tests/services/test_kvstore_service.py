@@ -48,7 +48,7 @@ class KVStoreProcess:
         self.client = KVStoreClient(f"127.0.0.1:{self.port}", timeout_s=2.0)
         self._wait_ready()
 
-    def _wait_ready(self, timeout_s: float = 15.0) -> None:
+    def _wait_ready(self, timeout_s: float = 60.0) -> None:  # a loaded 2-core machine imports slowly
         deadline = time.monotonic() + timeout_s
         while True:
             try:
