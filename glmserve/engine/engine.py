@@ -29,6 +29,7 @@ from glmserve.engine.sampler import Sampler, processed_probs
 from glmserve.engine.scheduler import ScheduledWork, Scheduler, SchedulerConfig
 from glmserve.engine.spec_policy import SpecPolicy
 from glmserve.kv.block_pool import BlockPool
+from glmserve.model.dtype_choice import resolve_dtype
 from glmserve.model.glm_model import GlmForCausalLM
 from glmserve.model.kv_layout import LAYOUT_VERSION, KVLayout
 from glmserve.model.loader import load_model
@@ -110,10 +111,11 @@ class Engine:
         self.stats = EngineStats()
 
     @classmethod
-    def from_model_dir(cls, model_dir: str | Path, dtype: torch.dtype = torch.float32,
+    def from_model_dir(cls, model_dir: str | Path, dtype: torch.dtype | str = "auto",
                        revision: str | None = None, **config) -> Engine:
-        """``revision``: an explicit model revision (else the digest of the checkpoint files)."""
-        model = load_model(model_dir, dtype=dtype)
+        """``revision``: an explicit model revision (else the digest of the checkpoint files);
+        ``dtype`` "auto": bfloat16 where the CPU has AMX, else float32 (`resolve_dtype`)."""
+        model = load_model(model_dir, dtype=resolve_dtype(dtype))
         tokenizer = Tokenizer.from_dir(model_dir)
         return cls(model, EngineConfig(**config), revision=model_revision(model_dir, revision),
                    tokenizer=tokenizer, tokenizer_digest=tokenizer_files_digest(model_dir))
