@@ -7,8 +7,6 @@ import json
 import sys
 import time
 
-import torch
-
 from glmserve.core.generation import SamplingParams
 from glmserve.engine.engine import Engine
 from glmserve.text.tokenizer import Tokenizer
@@ -34,7 +32,7 @@ def run_generate(args: argparse.Namespace) -> int:
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed
     )
-    engine = Engine.from_model_dir(args.model, dtype=getattr(torch, args.dtype), mtp=mtp_setting(args.mtp))
+    engine = Engine.from_model_dir(args.model, dtype=args.dtype, mtp=mtp_setting(args.mtp))
     start = time.perf_counter()
     first = None
     req = engine.add_request("cli", prompt, params)

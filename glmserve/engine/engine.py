@@ -40,6 +40,7 @@ from glmserve.engine.request import Request, RequestStatus
 from glmserve.engine.sampler import Sampler
 from glmserve.engine.scheduler import ScheduledWork, Scheduler, SchedulerConfig
 from glmserve.kv.block_pool import BlockListener, BlockPool
+from glmserve.model.dtype_choice import resolve_dtype
 from glmserve.model.glm_model import GlmForCausalLM
 from glmserve.model.kv_layout import LAYOUT_VERSION, KVLayout
 from glmserve.model.loader import load_model
@@ -100,10 +101,11 @@ class Engine:
         self.stats = EngineStats()
 
     @classmethod
-    def from_model_dir(cls, model_dir: str | Path, dtype: torch.dtype = torch.float32,
+    def from_model_dir(cls, model_dir: str | Path, dtype: torch.dtype | str = "auto",
                        revision: str | None = None, **config) -> Engine:
-        """``revision``: an explicit model revision (else the digest of the checkpoint files)."""
-        model = load_model(model_dir, dtype=dtype)
+        """``revision``: an explicit model revision (else the digest of the checkpoint files);
+        ``dtype`` "auto": bfloat16 where the CPU has AMX, else float32 (`resolve_dtype`)."""
+        model = load_model(model_dir, dtype=resolve_dtype(dtype))
         tokenizer = Tokenizer.from_dir(model_dir)
         return cls(model, EngineConfig(**config), revision=model_revision(model_dir, revision),
                    tokenizer=tokenizer, tokenizer_digest=tokenizer_files_digest(model_dir))

@@ -100,8 +100,8 @@ class KVStoreConfig:
     def build_host_tier(self, index: BlockIndex) -> HostTier | None:
         if self.host_tier_bytes == 0:
             return None
-        backend = build_backend(self.transfer, self.host, AGREED.write_s)  # writes into worker blocks
-        return HostTier(self.host_tier_bytes, backend, index, holder_id=self.host_holder_id,
+        transfer = build_backend(self.transfer, self.host, AGREED.write_s)  # writes into worker blocks
+        return HostTier(self.host_tier_bytes, transfer, index, holder_id=self.host_holder_id,
                         lease_timeout_s=self.host_lease_timeout_s, check_integrity=self.check_integrity,
                         fault_load_delay_s=self.fault_load_delay_s)
 
@@ -109,11 +109,11 @@ class KVStoreConfig:
 def serve(config: KVStoreConfig, stop: threading.Event) -> None:
     """Runs the service until ``stop`` is set."""
     index = config.build_index()
-    host = config.build_host_tier(index)
-    metrics = KVStoreMetrics(index, host=host)
+    host_tier = config.build_host_tier(index)
+    metrics = KVStoreMetrics(index, host_tier=host_tier)
     add_process_metrics(metrics.registry, "kvstore")
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.threads))
-    pb_grpc.add_KVStoreServicer_to_server(KVStoreServicer(index, metrics, host), server)
+    pb_grpc.add_KVStoreServicer_to_server(KVStoreServicer(index, metrics, host_tier), server)
     port = server.add_insecure_port(f"{config.host}:{config.port}")
     http = None
     if config.metrics_port is not None:
@@ -125,20 +125,20 @@ def serve(config: KVStoreConfig, stop: threading.Event) -> None:
     if not index.healthy():
         log.warning("index backend unreachable (%s): index calls fail with UNAVAILABLE until it is back",
                     index.describe())
-    if host is not None:
+    if host_tier is not None:
         log.info("host tier: up to %d bytes, %s transfer (sized when the first worker attaches)",
-                 config.host_tier_bytes, host.backend.kind)
+                 config.host_tier_bytes, host_tier.backend.kind)
     try:
         while not stop.wait(0.5):  # short waits keep the main thread responsive to signals
-            if host is not None:
-                host.expire()  # the lease timeout backstop
+            if host_tier is not None:
+                host_tier.expire()  # the lease timeout backstop
     finally:
         log.info("kvstore stopping")
         server.stop(config.grace_s).wait()
         if http is not None:
             http.close()
-        if host is not None:
-            host.close()
+        if host_tier is not None:
+            host_tier.close()
         index.close()
         log.info("kvstore stopped")
 
