@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 import grpc
 from prometheus_client import CollectorRegistry
 
-from glmserve.kv.transfer import KVTransferBackend, make_backend, nixl_unavailable_reason
 from glmserve.kv.transfer.timeouts import AGREED
 from glmserve.services.host_tier_link import HostTierSettings
 from glmserve.services.kv_events import KVEventPublisher, PublisherCollector
@@ -136,20 +135,6 @@ def check_kvstore(value: str | None) -> None:
     host, sep, port = value.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"kvstore: expected host:port, got {value!r}")
-
-
-def build_backend(kind: str, host: str, timeout_s: float) -> KVTransferBackend:
-    """The transfer backend ``kind`` asks for (auto: NIXL when it imports); a TCP receiver listens on
-    ``host``. Writes are failed and fenced after ``timeout_s`` (the agreed timeout's writer half)."""
-    if kind == "auto":
-        reason = nixl_unavailable_reason()
-        kind = "nixl" if reason is None else "tcp"
-        if reason is not None:
-            log.info("KV transfer: NIXL unavailable (%s), using TCP", reason)
-    options: dict[str, Any] = {"timeout_s": timeout_s}
-    if kind == "tcp":
-        options["host"] = host
-    return make_backend(kind, **options)
 
 
 def build_engine(model: str, revision: str | None, config: dict[str, Any],

@@ -7,20 +7,31 @@ import asyncio
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from glmserve.core.generation import SamplingParams, check_prompt
 from glmserve.engine.engine_stats import EngineLimits
 from glmserve.kv.transfer import TransferStamp
+from glmserve.kv.transfer.timeouts import AGREED
 from glmserve.services.decode.arrivals import TransferArrivals
 from glmserve.services.decode.prefill_client import PrefillPort
 from glmserve.services.engine_host import EngineHost
 from glmserve.services.worker_metrics import WorkerMetrics
 
-if TYPE_CHECKING:
-    from glmserve.services.decode.worker import DecodeSettings
-
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DecodeSettings:
+    prefill_timeout_s: float = AGREED.release_s  # Prefill call deadline; quarantine of undrained blocks
+    arrival_timeout_s: float = 5.0  # after the Prefill answer, how long the completion may lag
+    dead_peer_grace_s: float = 1.0  # a gone prefill worker: until its last bytes surely landed
+    checksum: bool = False  # ask prefill workers to stamp transfers with a checksum
+    poll_interval_s: float = 0.001  # completion polling between a Prefill answer and its arrival
+
+    def __post_init__(self) -> None:
+        for name in ("prefill_timeout_s", "arrival_timeout_s", "dead_peer_grace_s", "poll_interval_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}: must be > 0, got {getattr(self, name)!r}")
 
 
 @dataclass

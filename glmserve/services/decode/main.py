@@ -20,6 +20,7 @@ import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from glmserve.kv.transfer import make_backend
 from glmserve.kv.transfer.timeouts import AGREED
 from glmserve.proto_gen.glmserve.decode.v1 import decode_pb2_grpc as pb_grpc
 from glmserve.services.decode.prefill_client import GrpcPrefillClient
@@ -30,7 +31,6 @@ from glmserve.services.worker_server import (
     DEFAULT_TRANSFER_TIMEOUT_S,
     WorkerConfig,
     add_common_args,
-    build_backend,
     build_engine,
     serve_worker,
     setup_logging,
@@ -61,7 +61,7 @@ class DecodeConfig(WorkerConfig):
 async def serve(config: DecodeConfig) -> int:
     publisher = start_block_events(config.kvstore, config.worker_id)
     # A receiver's transfers are bounded by the writers' timeouts; ours only matters for close().
-    backend = build_backend(config.transfer, config.host, DEFAULT_TRANSFER_TIMEOUT_S)
+    backend = make_backend(config.transfer, host=config.host, timeout_s=DEFAULT_TRANSFER_TIMEOUT_S)
     worker = DecodeWorker(
         lambda: build_engine(config.model, config.revision, config.engine_config(), publisher),
         backend,

@@ -35,10 +35,9 @@ from typing import TYPE_CHECKING
 from glmserve.core.generation import SamplingParams, TokenEvent
 from glmserve.kv.block_pool import OutOfBlocks
 from glmserve.kv.transfer import KVTransferBackend, TransferStamp
-from glmserve.kv.transfer.timeouts import AGREED
 from glmserve.services.decode.arrivals import TransferArrivals
 from glmserve.services.decode.flow import DecodeFlow
-from glmserve.services.decode.flow_context import FlowContext
+from glmserve.services.decode.flow_context import DecodeSettings, FlowContext
 from glmserve.services.decode.prefill_client import PrefillPort
 from glmserve.services.engine_host import EngineHost
 from glmserve.services.host_metrics import HostTierMetrics
@@ -57,20 +56,6 @@ class DecodeUnavailable(Exception):
 
 class DecodeFull(DecodeUnavailable):
     """No KV blocks for this prompt now; another decode worker may have them."""
-
-
-@dataclass(frozen=True)
-class DecodeSettings:
-    prefill_timeout_s: float = AGREED.release_s  # Prefill call deadline; quarantine of undrained blocks
-    arrival_timeout_s: float = 5.0  # after the Prefill answer, how long the completion may lag
-    dead_peer_grace_s: float = 1.0  # a gone prefill worker: until its last bytes surely landed
-    checksum: bool = False  # ask prefill workers to stamp transfers with a checksum
-    poll_interval_s: float = 0.001  # completion polling between a Prefill answer and its arrival
-
-    def __post_init__(self) -> None:
-        for field in ("prefill_timeout_s", "arrival_timeout_s", "dead_peer_grace_s", "poll_interval_s"):
-            if getattr(self, field) <= 0:
-                raise ValueError(f"{field}: must be > 0, got {getattr(self, field)!r}")
 
 
 @dataclass(frozen=True)
@@ -101,7 +86,7 @@ class DecodeWorker:
         engine_factory: Callable[[], Engine],
         transfer: KVTransferBackend,
         prefill: PrefillPort,
-        settings: DecodeSettings = DecodeSettings(),
+        settings: DecodeSettings | None = None,
         metrics: Callable[[EngineHost], WorkerMetrics] | None = None,
         host_tier: HostTierSettings | None = None,
     ) -> None:
@@ -113,7 +98,7 @@ class DecodeWorker:
         self._host_tier = HostTierLink(host_tier, transfer, self._engine, self.host_metrics) if host_tier else None
         self._transfer = transfer
         self._prefill = prefill
-        self._settings = settings
+        self._settings = settings or DecodeSettings()
         self._arrivals = TransferArrivals(self._on_stale)
         self._flows: dict[str, DecodeFlow] = {}  # by request id
         self._context: FlowContext | None = None

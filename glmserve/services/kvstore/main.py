@@ -20,14 +20,15 @@ from dataclasses import dataclass
 
 import grpc
 
-from glmserve.kv.block_index import BlockIndex, InMemoryBlockIndex, RedisBlockIndex
+from glmserve.kv.block_index import BlockIndex, InMemoryBlockIndex
+from glmserve.kv.transfer import make_backend
 from glmserve.kv.transfer.timeouts import AGREED
 from glmserve.proto_gen.glmserve.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from glmserve.services.kvstore.host_tier import HostTier
 from glmserve.services.kvstore.metrics import KVStoreMetrics
+from glmserve.services.kvstore.redis_index import RedisBlockIndex
 from glmserve.services.kvstore.servicer import KVStoreServicer
 from glmserve.services.metrics_exposition import MetricsServer, add_process_metrics, labelled
-from glmserve.services.worker_server import build_backend
 
 log = logging.getLogger("glmserve.kvstore")
 
@@ -100,7 +101,7 @@ class KVStoreConfig:
     def build_host_tier(self, index: BlockIndex) -> HostTier | None:
         if self.host_tier_bytes == 0:
             return None
-        transfer = build_backend(self.transfer, self.host, AGREED.write_s)  # writes into worker blocks
+        transfer = make_backend(self.transfer, host=self.host, timeout_s=AGREED.write_s)  # writes into worker blocks
         return HostTier(self.host_tier_bytes, transfer, index, holder_id=self.host_holder_id,
                         lease_timeout_s=self.host_lease_timeout_s, check_integrity=self.check_integrity,
                         fault_load_delay_s=self.fault_load_delay_s)
