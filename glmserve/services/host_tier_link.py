@@ -206,7 +206,7 @@ class HostTierLink:
             return None
         wanted = hashes[: first + on_host]
         device, dest = await self._engine.submit(lambda e: e.host_tier.begin_load(key, wanted))
-        loaded = await self._transfer(key, generation, wanted[device: device + len(dest)], dest)
+        loaded = await self._load_blocks(key, generation, wanted[device: device + len(dest)], dest)
         if loaded == 0:
             return Loaded(key, device, 0)  # still holds the device hits: apply() or cancel() ends it
         if self.metrics is not None:
@@ -216,7 +216,7 @@ class HostTierLink:
             self.metrics.loadback_seconds.observe(time.perf_counter() - started)
         return Loaded(key, device, loaded)
 
-    async def _transfer(self, key: str, generation: int, hashes: list[bytes], dest: list[int]) -> int:
+    async def _load_blocks(self, key: str, generation: int, hashes: list[bytes], dest: list[int]) -> int:
         """Blocks written into ``dest``; 0 when none (then the destination blocks are already given
         back, or quarantined until they are surely drained)."""
         if not dest:

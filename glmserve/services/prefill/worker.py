@@ -183,7 +183,7 @@ class PrefillWorker:
             try:
                 self._raise_if_aborted(job)
                 job.stage = "transfer"
-                return await self._transfer(job, peer, held)
+                return await self._send_kv(job, peer, held)
             finally:
                 drained = job.handle is None or job.handle.drained
                 self._engine.submit_nowait(lambda e: e.release(job.key))  # the write is final here
@@ -212,7 +212,7 @@ class PrefillWorker:
             raise PrefillFailed(final.error or "the engine kept no prefill", drained=True)
         return stream.outcome
 
-    async def _transfer(self, job: _Job, peer: str, held: HeldPrefill) -> PrefillResult:
+    async def _send_kv(self, job: _Job, peer: str, held: HeldPrefill) -> PrefillResult:
         spec = job.spec
         src, dst = held.block_ids[: len(spec.dest_block_ids)], list(spec.dest_block_ids)
         stamp = TransferStamp(spec.request_id, spec.generation)
