@@ -26,7 +26,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
 if TYPE_CHECKING:
-    from glmserve.services.engine_thread import EngineThread
+    from glmserve.services.engine_host import EngineHost
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -34,9 +34,9 @@ DEFAULT_STUCK_AFTER_S = 120.0  # far above one step of a long chunked prefill
 
 
 class EngineWatch:
-    """Whether an `EngineThread` is alive and making progress (see the module docstring)."""
+    """Whether an `EngineHost` is alive and making progress (see the module docstring)."""
 
-    def __init__(self, engine: EngineThread, stuck_after_s: float = DEFAULT_STUCK_AFTER_S,
+    def __init__(self, engine: EngineHost, stuck_after_s: float = DEFAULT_STUCK_AFTER_S,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if stuck_after_s <= 0:
             raise ValueError(f"stuck_after_s: must be > 0, got {stuck_after_s}")

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from glmserve.services.engine_thread import EngineSnapshot
+from glmserve.services.engine_snapshot import EngineSnapshot
 from glmserve.services.liveness import NOT_SERVING, SERVING, EngineWatch, HealthReporter
 
 
