@@ -191,6 +191,7 @@ def plan(cfg: ServeConfig) -> list[ChildSpec]:
         py, "-m", "glmserve.services.router.main", "--model", str(cfg.model), "--host", cfg.host,
         "--port", str(router_port), "--kvstore", kv, "--prefill", ",".join(addresses["prefill"]),
         "--decode", ",".join(addresses["decode"]), "--routing", cfg.routing,
+        "--drain-timeout-s", str(cfg.drain_timeout_s),
         *[a for key in cfg.api_keys for a in ("--api-key", key)]),
         url, None, STOP_RANKS["router"], ready=http_ok(f"{url}/ready")))
     return specs

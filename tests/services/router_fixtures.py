@@ -64,6 +64,7 @@ class ScriptedBackend(GenerationBackend):
         self.hints: list[RequestHints | None] = []
         self.is_ready = True
         self.fail_with: str | None = None  # an error message for the next requests' first event
+        self.fail_after = 0  # ... or for the event after this many tokens
 
     def ready(self) -> bool:
         return self.is_ready
@@ -77,7 +78,7 @@ class ScriptedBackend(GenerationBackend):
     ) -> AsyncIterator[TokenEvent]:
         self.generated.append((request_id, list(prompt_ids), params))
         self.hints.append(hints)
-        if self.fail_with is not None:
+        if self.fail_with is not None and not self.fail_after:
             yield TokenEvent.ended(request_id, "error", self.fail_with)
             return
         checker = StopChecker(params)
@@ -85,6 +86,9 @@ class ScriptedBackend(GenerationBackend):
         ids = self.script(prompt_ids)[: params.max_tokens]
         for i, token in enumerate(ids):
             await asyncio.sleep(self.delay_s)
+            if self.fail_with is not None and i == self.fail_after:
+                yield TokenEvent.ended(request_id, "error", self.fail_with)
+                return
             if request_id in self.aborted:  # the contract: an aborted stream ends with "abort"
                 yield TokenEvent.ended(request_id, "abort")
                 return

@@ -46,7 +46,7 @@ def http(base):
 
 @pytest.fixture(autouse=True)
 def _reset(backend):
-    backend.is_ready, backend.fail_with = True, None
+    backend.is_ready, backend.fail_with, backend.fail_after = True, None, 0
     backend.generated.clear()
 
 
@@ -162,14 +162,16 @@ def test_not_ready_is_503_with_retry_after(http, base, backend):
     assert httpx.get(f"{base}/ready").status_code == 200
 
 
-def test_backend_failure_is_500_or_an_sse_error_event(http, backend):
-    backend.fail_with = "worker died"
-    err = _error(http.post("/v1/chat/completions", json=CHAT), 500, None, "internal_error")
-    assert "worker died" in err["message"]
+def test_backend_failure_is_500_before_the_stream_or_an_sse_error_event_in_it(http, backend):
+    backend.fail_with = "decode worker 10.1.2.3:5001 died"
+    for stream in (False, True):  # failed before the first token: an HTTP status, also for a stream
+        err = _error(http.post("/v1/chat/completions", json={**CHAT, "stream": stream}), 500, None, "internal_error")
+        assert err["message"] == "generation failed: decode worker <address> died"
+    backend.fail_after = 1  # failed after a token went out: an error event, then [DONE]
     with http.stream("POST", "/v1/chat/completions", json={**CHAT, "stream": True}) as resp:
         assert resp.status_code == 200
         lines = [line for line in resp.iter_lines() if line]
-    assert '"error"' in lines[-2] and "worker died" in lines[-2] and lines[-1] == "data: [DONE]"
+    assert "decode worker <address> died" in lines[-2] and lines[-1] == "data: [DONE]"
 
 
 def test_unknown_route_and_method_use_the_error_format(http):

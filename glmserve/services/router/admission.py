@@ -5,7 +5,8 @@ At most ``max_running`` requests run at once; the next ones wait in the queue, o
 of its answer, when:
 
 - the queue holds ``max_queued`` requests (``queue_full``, 429), or its tenant already has
-  ``max_queued_per_tenant`` there (``tenant_cap``, 429: one key cannot fill the queue);
+  ``max_queued_per_tenant`` there (``tenant_cap``, 429: one key cannot fill the queue; the
+  anonymous tenant "", all requests of a router without API keys, has no cap of its own);
 - it waited ``max_wait_s`` without starting (``queue_timeout``, 429);
 - the router is draining (``draining``, 503; queued requests are refused at once, running ones
   finish).
@@ -105,6 +106,10 @@ class AdmissionQueue:
     def queued(self) -> int:
         return sum(self._per_tenant.values())
 
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
     async def admit(self, tenant: str, priority: int, gone: asyncio.Event) -> Ticket:
         """A slot for a new request (at once, or after waiting in the queue). Raises `Rejected`, or
         `ClientGone` when ``gone`` is set first."""
@@ -131,7 +136,7 @@ class AdmissionQueue:
             return
         if self.queued >= self.config.max_queued:
             raise self._refused("queue_full")
-        if self._per_tenant.get(tenant, 0) >= self.config.max_queued_per_tenant:
+        if tenant and self._per_tenant.get(tenant, 0) >= self.config.max_queued_per_tenant:
             raise self._refused("tenant_cap")
         loop = asyncio.get_running_loop()
         waiter = _Waiter(priority, seq, tenant, loop.create_future())
@@ -170,6 +175,8 @@ class AdmissionQueue:
 
     async def _await_capacity(self, deadline: float, gone: asyncio.Event) -> None:
         loop = asyncio.get_running_loop()
+        if self._draining:
+            raise self._refused("draining")
         if loop.time() >= deadline:
             raise self._refused("queue_timeout")
         if self._ended is None or self._ended.is_set():

@@ -9,6 +9,7 @@ order of its checks). ``/openapi.json`` documents the request bodies (`openai_re
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import logging
 import time
@@ -23,6 +24,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from glmserve.services.router import completion_bodies as bodies
+from glmserve.services.router.admission import AdmissionConfig
 from glmserve.services.router.backend import GenerationBackend
 from glmserve.services.router.errors import (
     APIError,
@@ -61,16 +63,18 @@ def create_app(
     api_keys: Sequence[str] | None = None,
     *,
     max_context: int,
+    admission: AdmissionConfig | None = None,
 ) -> FastAPI:
     """An OpenAI-compatible app serving ``model_name`` through ``backend``.
 
     ``max_context``: the model's `max_position_embeddings` (prompt + max_tokens must fit).
     ``api_keys``: when non-empty, `/v1/*` needs `Authorization: Bearer <one of them>`; `/health`,
     `/ready`, `/metrics` and `/openapi.json` stay open (probes and scrapers carry no keys).
+    ``admission``: the bounds of the admission queue (`AdmissionConfig`'s defaults when None).
     The backend is started and closed by the app's lifespan.
     """
     metrics = RouterMetrics(model_name)
-    serving = OpenAIServing(backend, tokenizer, model_name, max_context, metrics)
+    serving = OpenAIServing(backend, tokenizer, model_name, max_context, metrics, admission)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -102,7 +106,7 @@ def create_app(
     async def models() -> dict[str, Any]:
         return serving.models()
 
-    _add_probes(app, backend, metrics)
+    _add_probes(app, backend, metrics, serving)
     _install_error_handlers(app, metrics)
     app.openapi = lambda: _openapi_with_bodies(app)  # type: ignore[method-assign]
     return app
@@ -127,12 +131,29 @@ def _context(request: Request, body: Any, arrival: float, keyed: bool) -> Reques
             pass
 
     hints = request_hints(request.headers, body.user, token)
-    return RequestContext(arrival, request.url.path, hints, disconnected)
+    tenant = hashlib.sha256(token.encode()).hexdigest()[:16] if token is not None else ""
+    return RequestContext(arrival, request.url.path, hints, disconnected, tenant, body.priority)
+
+
+class _RunStream(StreamingResponse):
+    """An SSE answer that closes its run however the response ends: also when the client left
+    before the first chunk was sent (Starlette then never starts the body's iterator)."""
+
+    def __init__(self, answer: Answer) -> None:
+        super().__init__(_sse(answer), media_type="text/event-stream", headers=_SSE_HEADERS)
+        self._run = answer.run
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if self._run is not None:
+                await self._run.close()
 
 
 def _respond(answer: Answer) -> Response:
     if answer.chunks is not None:
-        return StreamingResponse(_sse(answer), media_type="text/event-stream", headers=_SSE_HEADERS)
+        return _RunStream(answer)
     if answer.body is None:
         return Response(status_code=answer.status)  # 499: the client is gone; nobody reads this
     return JSONResponse(answer.body, status_code=answer.status, headers=answer.headers)
@@ -161,14 +182,16 @@ def _authorizer(api_keys: Sequence[str]) -> Callable[[Request], None]:
     return authorize
 
 
-def _add_probes(app: FastAPI, backend: GenerationBackend, metrics: RouterMetrics) -> None:
+def _add_probes(app: FastAPI, backend: GenerationBackend, metrics: RouterMetrics, serving: OpenAIServing) -> None:
     @app.get("/health")
     async def health() -> dict[str, str]:
-        return {"status": "ok"}
+        return {"status": "ok"}  # the event loop answers: this process serves
 
     @app.get("/ready")
     async def ready() -> JSONResponse:
         detail = backend.readiness_detail()
+        if serving.draining:
+            return JSONResponse({"status": "draining", **detail}, status_code=503, headers={"Retry-After": "1"})
         if backend.ready():
             return JSONResponse({"status": "ready", **detail})
         return JSONResponse({"status": "not ready", **detail}, status_code=503, headers={"Retry-After": "1"})

@@ -29,7 +29,13 @@ class RequestHints:
 
 
 class BackendUnavailable(Exception):
-    """The backend cannot take a request now (not started, full, workers down); the router answers 503."""
+    """The backend cannot take a request now (not started, workers down); the router answers 503."""
+
+
+class BackendFull(BackendUnavailable):
+    """Every worker that could take the request is full now (no KV blocks for it): a state that
+    passes, not a failure. The router waits for capacity (`admission.Ticket.wait_for_capacity`)
+    and tries again, and answers 429 once the request's queue wait is spent."""
 
 
 class GenerationBackend(abc.ABC):
@@ -40,7 +46,8 @@ class GenerationBackend(abc.ABC):
       is the one given. ``request_id`` is unique among running requests (the router makes it).
       ``params`` is already validated and ``len(prompt_ids) + params.max_tokens`` fits the model's
       context. Stop strings in ``params`` are enforced by the backend (it stops generating).
-      It may raise `BackendUnavailable` before yielding anything.
+      It may raise `BackendUnavailable` (`BackendFull` when the workers are only full) before
+      yielding anything.
     - ``abort(request_id)`` stops the request everywhere at once and frees its resources; it is
       idempotent, never raises for an unknown or finished id, and returns without waiting for a
       generation step. An open stream of that request then ends promptly with a final event whose

@@ -6,8 +6,13 @@ stream has started, into an SSE error event). Transport-free: no FastAPI imports
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
+
+# host:port (names, IPv4, [IPv6], gRPC's "ipv4:" form) and bare IPv4 addresses: what a client
+# error must not show of the platform's insides.
+_ADDRESS = re.compile(r"(?:ipv[46]:)?(?:\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):\d{1,5}\b|\b\d{1,3}(?:\.\d{1,3}){3}\b")
 
 # Seconds a client should wait before retrying when the backend cannot take the request.
 DEFAULT_RETRY_AFTER_S = 1
@@ -96,6 +101,18 @@ def service_unavailable(
         "service_unavailable",
         {"Retry-After": str(retry_after_s)},
     )
+
+
+def refused(status: int, message: str, reason: str, retry_after_s: int) -> APIError:
+    """429 (the admission queue is full, or the wait for a place was spent) or 503 (draining),
+    before any byte of the answer, with `Retry-After`; ``reason`` is the error's code."""
+    kind = "rate_limit_error" if status == 429 else "service_unavailable_error"
+    return APIError(status, message, kind, None, reason, {"Retry-After": str(retry_after_s)})
+
+
+def without_addresses(text: str) -> str:
+    """``text`` with every network address replaced by ``<address>`` (for messages to clients)."""
+    return _ADDRESS.sub("<address>", text)
 
 
 def internal_error(message: str) -> APIError:

@@ -10,7 +10,8 @@ Failures, from the router's point of view:
 
 - The call fails (UNAVAILABLE / RESOURCE_EXHAUSTED) before any event: nothing reached the client,
   so the request is retried on another decode worker with a new, larger generation (DESIGN
-  invariant 3); with none left, `BackendUnavailable` (the router answers 503).
+  invariant 3); with none left, `BackendFull` when every refusal was RESOURCE_EXHAUSTED (a full
+  worker is not an unhealthy one: the router waits for capacity), else `BackendUnavailable` (503).
 - A decode worker dies mid-stream: the stream ends at once with ``finish_reason="error"``; the
   worker is marked failed (not chosen until a Health poll started afterwards answers ready).
 - An error event from decode (e.g. its prefill worker died): that prefill worker is re-polled at
@@ -44,6 +45,7 @@ from glmserve.proto_gen.glmserve.prefill.v1 import prefill_pb2 as prefill_pb
 from glmserve.proto_gen.glmserve.prefill.v1 import prefill_pb2_grpc as prefill_grpc
 from glmserve.services.generation_proto import event_from_proto, sampling_to_proto
 from glmserve.services.router.backend import (
+    BackendFull,
     BackendUnavailable,
     GenerationBackend,
     RequestHints,
@@ -62,6 +64,13 @@ _CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
 ]
 _RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
+
+
+def _refused(refusals: list[grpc.aio.AioRpcError]) -> BackendUnavailable:
+    """Every decode worker tried refused: only full ones (RESOURCE_EXHAUSTED) mean "wait"."""
+    if all(e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED for e in refusals):
+        return BackendFull(f"every decode worker is full: {refusals[-1].details()}")
+    return BackendUnavailable(f"decode workers refused the request: {refusals[-1].details()}")
 
 
 def _error_event(request_id: str, message: str) -> TokenEvent:
@@ -192,11 +201,12 @@ class DisaggregatedBackend(GenerationBackend):
     ) -> AsyncIterator[TokenEvent]:
         """Try decode workers until one streams (see the module docstring for the failure rules)."""
         tried: list[str] = []
+        refusals: list[grpc.aio.AioRpcError] = []
         sampling = sampling_to_proto(params)
         while True:
             decode = self.decode_pool.choose(exclude=tried)
             if decode is None:
-                raise BackendUnavailable("no healthy decode worker")
+                raise _refused(refusals) if refusals else BackendUnavailable("no healthy decode worker")
             routed = await self.prefix_router.route(prompt_ids, hints)
             if routed is None:
                 raise BackendUnavailable("no healthy prefill worker")
@@ -218,8 +228,9 @@ class DisaggregatedBackend(GenerationBackend):
                 return
             stream.call = None
             tried.append(decode)
+            refusals += outcome
             if len(tried) >= self._max_attempts:
-                raise BackendUnavailable(f"decode workers refused the request: {outcome[0].details()}")
+                raise _refused(refusals)
 
     async def _relay(
         self, request_id: str, stream: _Stream, decode: str, routed: RoutedPrefill,

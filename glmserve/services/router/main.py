@@ -4,8 +4,14 @@
 Serves the OpenAI API (`app.create_app`) over a `DisaggregatedBackend`. The tokenizer, chat
 template and context length come from ``--model`` (no weights are read; torch is never imported).
 ``--port 0`` takes a free port. Prints ``READY http://host:port`` on stdout once it accepts HTTP
-(``/ready`` turns 200 when a prefill and a decode worker answer Health). SIGTERM / SIGINT stop it:
-open streams end with an abort, then the process exits with status 0.
+(``/ready`` turns 200 when a prefill and a decode worker answer Health).
+
+Overload: the admission queue (``--max-running``, ``--max-queued``, ``--max-queued-per-tenant``,
+``--max-queue-wait-s``; `AdmissionConfig` has the defaults) answers 429 / 503 with ``Retry-After``.
+SIGTERM / SIGINT drain it: ``/ready`` fails and new requests get 503 at once, running ones may
+finish for ``--drain-timeout-s``, what is left then ends with an OpenAI error (an SSE error event
+and ``[DONE]``, or a JSON 503); only then does uvicorn close its connections, and the process
+exits with status 0. A second signal stops it at once.
 """
 
 from __future__ import annotations
@@ -18,12 +24,14 @@ import logging
 import signal
 import socket
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import uvicorn
 
+from glmserve.services.router.admission import AdmissionConfig
 from glmserve.services.router.app import create_app
 from glmserve.services.router.grpc_backend import DisaggregatedBackend
 from glmserve.services.router.prefill_routing import POLICIES, RoutingConfig
@@ -48,8 +56,10 @@ class RouterConfig:
     api_keys: tuple[str, ...] = field(default=())
     served_model_name: str | None = None  # default: the model directory's name
     poll_interval_s: float = 0.5
-    graceful_shutdown_s: float = 5.0
+    graceful_shutdown_s: float = 5.0  # after the drain: closing idle connections
     routing: RoutingConfig = field(default_factory=RoutingConfig)
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    drain_timeout_s: float = 30.0  # on SIGTERM, how long running requests may finish
 
     def __post_init__(self) -> None:
         if not (self.model / "config.json").is_file():
@@ -64,6 +74,8 @@ class RouterConfig:
             check_address(self.kvstore)
         if self.poll_interval_s <= 0:
             raise ValueError(f"poll_interval_s: must be > 0, got {self.poll_interval_s}")
+        if self.drain_timeout_s < 0:
+            raise ValueError(f"drain_timeout_s: must be >= 0, got {self.drain_timeout_s}")
 
     @classmethod
     def from_args(cls, argv: Sequence[str] | None = None) -> RouterConfig:
@@ -90,26 +102,62 @@ class RouterConfig:
                        help="a hit below this fraction of the prompt does not justify a busier worker")
         p.add_argument("--routing", choices=POLICIES, default=r.policy,
                        help="prefill choice: by cached prefix and load, by load alone, or in turn")
+        q = AdmissionConfig()
+        p.add_argument("--max-running", type=int, default=q.max_running, help="requests running at once")
+        p.add_argument("--max-queued", type=int, default=q.max_queued, help="requests waiting (then 429)")
+        p.add_argument("--max-queued-per-tenant", type=int, default=q.max_queued_per_tenant,
+                       help="one API key's share of the queue")
+        p.add_argument("--max-queue-wait-s", type=float, default=q.max_wait_s,
+                       help="longest wait for a place (and for a full decode worker) before a 429")
+        p.add_argument("--drain-timeout-s", type=float, default=cls.drain_timeout_s,
+                       help="on SIGTERM, how long running requests may finish before they are ended")
         a = p.parse_args(argv)
         routing = RoutingConfig(host_credit=a.host_credit, max_imbalance=a.max_imbalance,
                                 shared_prefix_fraction=a.shared_prefix_fraction, session_ttl_s=a.session_ttl_s,
                                 policy=a.routing)
+        admission = AdmissionConfig(max_running=a.max_running, max_queued=a.max_queued,
+                                    max_queued_per_tenant=a.max_queued_per_tenant, max_wait_s=a.max_queue_wait_s)
         return cls(a.model, tuple(a.decode), tuple(a.prefill), a.host, a.port, a.kvstore,
-                   tuple(a.api_keys), a.served_model_name, a.poll_interval_s, routing=routing)
+                   tuple(a.api_keys), a.served_model_name, a.poll_interval_s, routing=routing,
+                   admission=admission, drain_timeout_s=a.drain_timeout_s)
 
 
 class _Server(uvicorn.Server):
-    """uvicorn's server, except that a stop by SIGTERM / SIGINT ends with status 0: uvicorn re-raises
-    the signal after its graceful shutdown, which a launcher would read as a crash (143)."""
+    """uvicorn's server, except for signals: the first SIGTERM / SIGINT runs ``drain`` (a
+    coroutine) on the server's loop and only then stops uvicorn; a second one stops it at once.
+    The stop ends with status 0 (uvicorn re-raises the signal after its shutdown, which a launcher
+    would read as a crash: 143)."""
+
+    def __init__(self, config: uvicorn.Config, drain: Callable[[], Coroutine[Any, Any, Any]]) -> None:
+        super().__init__(config)
+        self._drain, self._draining = drain, False
+        self._tasks: set[asyncio.Task[None]] = set()
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
-        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        loop = asyncio.get_running_loop()
+        previous = {sig: signal.signal(sig, lambda s, f: loop.call_soon_threadsafe(self._signalled, s, f))
+                    for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
             yield
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+
+    def _signalled(self, sig: int, frame: Any) -> None:
+        if self._draining:
+            self.should_exit = self.force_exit = True
+            return
+        self._draining = True
+        task = asyncio.get_running_loop().create_task(self._drain_then_exit())
+        self._tasks.add(task)  # a reference, so the task is not collected mid-way
+
+    async def _drain_then_exit(self) -> None:
+        try:
+            await self._drain()
+        except Exception:  # a bug in the drain must not keep the process up
+            log.exception("drain failed")
+        self.should_exit = True
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -131,8 +179,13 @@ async def serve(config: RouterConfig) -> bool:
                      max_context=model_config["max_position_embeddings"])
     sock = _bind(config.host, config.port)
     port = sock.getsockname()[1]
+    async def drain() -> None:
+        log.info("router draining (up to %.0f s; another signal stops it at once)", config.drain_timeout_s)
+        ended = await app.state.serving.drain(config.drain_timeout_s)
+        log.info("router drained (%d requests ended by the drain timeout)", ended)
+
     server = _Server(uvicorn.Config(app, log_level="warning",
-                                           timeout_graceful_shutdown=config.graceful_shutdown_s))
+                                    timeout_graceful_shutdown=config.graceful_shutdown_s), drain)
     serving = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started and not serving.done():
         await asyncio.sleep(0.02)

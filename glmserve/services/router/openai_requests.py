@@ -120,6 +120,7 @@ class GenerationBody(_Open):
     frequency_penalty: Number = 0.0
     logit_bias: dict[str, Any] | None = None
     user: Str | None = None
+    priority: Annotated[int, Strict(), Field(ge=-(2**31), le=2**31 - 1)] = 0  # vLLM extension: lower first
 
     @model_validator(mode="after")
     def _supported(self) -> GenerationBody:

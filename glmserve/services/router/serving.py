@@ -3,7 +3,8 @@ over it: they read the body and the client's presence, it answers with an `Answe
 
 Per request, in this order: model (404), backend readiness (503), the prompt (chat template and
 tokenization off the event loop; 400 on a bad chat or prompt), context length (400), then the run
-(`RequestRun`). The backend's events carry the text (stop strings already applied where the engine
+(`RequestRun`): its admission (429 / 503 with ``Retry-After``) and its first event come before the
+`Answer` exists, so a refusal is an HTTP status, never an error inside a started stream. The backend's events carry the text (stop strings already applied where the engine
 runs); here it is only formatted, and parsed for tool calls. Fields were checked when the body was
 parsed (`openai_requests`).
 """
@@ -11,6 +12,7 @@ parsed (`openai_requests`).
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -20,14 +22,18 @@ from typing import Any
 
 from glmserve.core.generation import SamplingParams
 from glmserve.services.router import completion_bodies as bodies
+from glmserve.services.router.admission import AdmissionConfig, AdmissionQueue
+from glmserve.services.router.admission_metrics import AdmissionMetrics
 from glmserve.services.router.backend import GenerationBackend
-from glmserve.services.router.errors import APIError, from_value_error, service_unavailable
+from glmserve.services.router.errors import APIError, from_value_error, refused, service_unavailable
 from glmserve.services.router.metrics import RouterMetrics
 from glmserve.services.router.openai_requests import ChatCompletionRequest, CompletionRequest, GenerationBody
 from glmserve.services.router.request_run import Output, RequestContext, RequestRun
 from glmserve.text.special_tokens import TOOL_MARKUP
 from glmserve.text.tokenizer import Tokenizer
 from glmserve.text.tool_calls import ParsedOutput, ToolCallStreamParser, parse_tool_calls
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -46,12 +52,15 @@ class OpenAIServing:
     """Chat and legacy completions over ``backend`` for the one served model."""
 
     def __init__(self, backend: GenerationBackend, tokenizer: Tokenizer, model_name: str, max_context: int,
-                 metrics: RouterMetrics) -> None:
+                 metrics: RouterMetrics, admission: AdmissionConfig | None = None) -> None:
         if max_context < 2:
             raise ValueError(f"max_context: must be >= 2, got {max_context}")
         self.backend, self.tokenizer, self.model_name = backend, tokenizer, model_name
         self.max_context, self.metrics = max_context, metrics
+        self.admission = AdmissionQueue(admission or AdmissionConfig(),
+                                        AdmissionMetrics(metrics.registry, metrics.rejected))
         self.created = int(time.time())
+        self._runs: set[RequestRun] = set()  # opened or opening, until closed
 
     def models(self) -> dict[str, Any]:
         return bodies.model_list(self.model_name, self.created, self.max_context)
@@ -68,6 +77,8 @@ class OpenAIServing:
             params = replace(params, visible_special_tokens=TOOL_MARKUP)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         run = self.run(rid, prompt, params, ctx)
+        if not await run.open():
+            return Answer(status=499)
         if body.stream:
             return Answer(chunks=self._chat_chunks(run, tools, body.include_usage), run=run)
         out = await _whole(run)
@@ -91,6 +102,8 @@ class OpenAIServing:
         params = body.sampling_params(len(ids), self.max_context, "prompt")
         rid = f"cmpl-{uuid.uuid4().hex}"
         run = self.run(rid, ids, params, ctx)
+        if not await run.open():
+            return Answer(status=499)
         if body.stream:
             return Answer(chunks=self._completion_chunks(run, body.include_usage), run=run)
         out = await _whole(run)
@@ -102,15 +115,47 @@ class OpenAIServing:
 
     def run(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
             ctx: RequestContext) -> RequestRun:
-        """One request through the backend (for every API built on this layer)."""
-        return RequestRun(self.backend, self.metrics, self.tokenizer, request_id, prompt_ids, params, ctx)
+        """One request through the admission queue and the backend (for every API built on this
+        layer); `RequestRun.open` it before answering."""
+        run = RequestRun(self.backend, self.metrics, self.tokenizer, request_id, prompt_ids, params, ctx,
+                         self.admission, self._runs.discard)
+        self._runs.add(run)
+        return run
+
+    @property
+    def draining(self) -> bool:
+        return self.admission.draining
+
+    async def drain(self, timeout_s: float, end_wait_s: float = 5.0) -> int:
+        """Stop admitting (new and queued requests get 503 + ``Retry-After``), let the running ones
+        finish for up to ``timeout_s``, then end the rest: each answer ends with an OpenAI error (an
+        SSE error event then ``[DONE]``, or a JSON 503), never a cut stream. Returns how many had to
+        be ended."""
+        self.admission.drain()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self._runs and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        left = list(self._runs)
+        if left:
+            log.warning("drain timeout (%.0f s): ending %d running requests with an error", timeout_s, len(left))
+        await asyncio.gather(*(run.end() for run in left))
+        deadline = loop.time() + end_wait_s
+        while self._runs and loop.time() < deadline:  # their error answers go out
+            await asyncio.sleep(0.02)
+        return len(left)
 
     # --- parts ------------------------------------------------------------------------------------
 
     def _admit(self, body: GenerationBody) -> None:
         body.check_model(self.model_name)
+        if self.admission.draining:  # before any tokenizing
+            self.metrics.rejected("draining")
+            log.warning("request refused (draining): 503 the server is shutting down")
+            raise refused(503, "the server is shutting down", "draining", self.admission.config.retry_after_s)
         if not self.backend.ready():
             self.metrics.rejected("no_worker")
+            log.warning("request refused (no_worker): 503 no healthy worker of a role")
             raise service_unavailable()
 
     def _usage(self, run: RequestRun) -> dict[str, Any]:
