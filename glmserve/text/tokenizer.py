@@ -115,6 +115,12 @@ class Tokenizer:
             out.append(bytes(table[c] for c in token) if all(c in table for c in token) else token.encode())
         return out
 
+    @cached_property
+    def max_token_bytes(self) -> int:
+        """The most bytes one token stands for: a text of N characters has at least
+        N / max_token_bytes tokens (a character is at least one byte), known without encoding it."""
+        return max(1, *(len(b) for b in self._token_bytes))
+
     def token_bytes(self, token_id: int, skip_special_tokens: bool = False) -> bytes:
         """The raw bytes a token stands for (may be part of a UTF-8 character)."""
         if skip_special_tokens and token_id in self.special_ids:

@@ -4,7 +4,9 @@ never reaches the backend, and the router keeps serving (DESIGN.md invariant 6).
 from __future__ import annotations
 
 import json
+import logging
 import re
+import time
 
 import httpx
 import pytest
@@ -204,3 +206,24 @@ def test_openapi_documents_the_request_bodies(base):
     assert "ChatMessage" in components and "Tool" in components
     refs = set(re.findall(r'"#/components/schemas/([A-Za-z0-9_]+)"', json.dumps(schema)))
     assert refs and refs <= set(components)  # every reference resolves
+
+
+def test_one_access_log_line_per_request_and_one_per_refusal_without_prompt_text(http, caplog):
+    secret = "the secret prompt text"
+    with caplog.at_level(logging.INFO):
+        ok = http.post("/v1/chat/completions", json={**CHAT, "messages": [{"role": "user", "content": secret}]})
+        bad = http.post("/v1/chat/completions", json={**CHAT, "messages": [{"role": "user", "content": secret}],
+                                                      "temperature": -1})
+        deadline = time.monotonic() + 5
+        while sum(r.name == "glmserve.access" for r in caplog.records) < 2:  # written after the last byte
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    assert ok.status_code == 200 and bad.status_code == 400
+    usage = ok.json()["usage"]
+    access = [r.getMessage() for r in caplog.records if r.name == "glmserve.access"]
+    assert re.fullmatch(rf"POST /v1/chat/completions 200 prompt_tokens={usage['prompt_tokens']} "
+                        rf"completion_tokens={usage['completion_tokens']} \d+\.\d{{3}}s", access[0]), access
+    assert re.fullmatch(r"POST /v1/chat/completions 400 prompt_tokens=- completion_tokens=- \d+\.\d{3}s", access[1])
+    assert any(r.getMessage() == "refused POST /v1/chat/completions: 400 invalid_request_error (param temperature)"
+               for r in caplog.records)
+    assert not any(secret in r.getMessage() for r in caplog.records)

@@ -24,6 +24,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from glmserve.services.router import completion_bodies as bodies
+from glmserve.services.router.access_log import AccessLog
 from glmserve.services.router.admission import AdmissionConfig
 from glmserve.services.router.backend import GenerationBackend
 from glmserve.services.router.errors import (
@@ -49,6 +50,7 @@ log = logging.getLogger(__name__)
 
 # Bodies above this are parsed in a worker thread: a 100K-token prompt is ~0.5 MB of JSON.
 _PARSE_OFF_LOOP_BYTES = 64 * 1024
+DEFAULT_MAX_BODY_BYTES = 16 << 20  # room for a full context of text with its JSON escaping
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 BODIES: dict[str, type[BaseModel]] = {
     "/v1/chat/completions": ChatCompletionRequest,
@@ -64,6 +66,7 @@ def create_app(
     *,
     max_context: int,
     admission: AdmissionConfig | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
 ) -> FastAPI:
     """An OpenAI-compatible app serving ``model_name`` through ``backend``.
 
@@ -71,6 +74,7 @@ def create_app(
     ``api_keys``: when non-empty, `/v1/*` needs `Authorization: Bearer <one of them>`; `/health`,
     `/ready`, `/metrics` and `/openapi.json` stay open (probes and scrapers carry no keys).
     ``admission``: the bounds of the admission queue (`AdmissionConfig`'s defaults when None).
+    ``max_body_bytes``: a larger request body is refused with 413 before it is read whole.
     The backend is started and closed by the app's lifespan.
     """
     metrics = RouterMetrics(model_name)
@@ -79,7 +83,7 @@ def create_app(
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         # The detokenizer's byte table is built on first use (~0.3 s for a 150K vocab): not on the loop.
-        await asyncio.to_thread(tokenizer.token_bytes, 0)
+        await asyncio.to_thread(lambda: tokenizer.max_token_bytes)  # builds the byte table too
         await backend.start()
         try:
             yield
@@ -93,14 +97,14 @@ def create_app(
     @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
     async def chat_completions(request: Request) -> Response:
         arrival = time.monotonic()
-        body = await _parse(request, ChatCompletionRequest)
-        return _respond(await serving.chat(body, _context(request, body, arrival, bool(api_keys))))
+        body = await _parse(request, ChatCompletionRequest, max_body_bytes, metrics)
+        return _respond(request, await serving.chat(body, _context(request, body, arrival, bool(api_keys))))
 
     @app.post("/v1/completions", dependencies=[Depends(authorize)])
     async def completions(request: Request) -> Response:
         arrival = time.monotonic()
-        body = await _parse(request, CompletionRequest)
-        return _respond(await serving.completion(body, _context(request, body, arrival, bool(api_keys))))
+        body = await _parse(request, CompletionRequest, max_body_bytes, metrics)
+        return _respond(request, await serving.completion(body, _context(request, body, arrival, bool(api_keys))))
 
     @app.get("/v1/models", dependencies=[Depends(authorize)])
     async def models() -> dict[str, Any]:
@@ -108,6 +112,7 @@ def create_app(
 
     _add_probes(app, backend, metrics, serving)
     _install_error_handlers(app, metrics)
+    app.add_middleware(AccessLog)
     app.openapi = lambda: _openapi_with_bodies(app)  # type: ignore[method-assign]
     return app
 
@@ -115,11 +120,32 @@ def create_app(
 # --- the adapter: HTTP in, serving layer, HTTP out ---------------------------------------------------
 
 
-async def _parse(request: Request, model: type[Body]) -> Body:
-    raw = await request.body()
+async def _parse(request: Request, model: type[Body], limit: int, metrics: RouterMetrics) -> Body:
+    raw = await _read_body(request, limit, metrics)
     if len(raw) > _PARSE_OFF_LOOP_BYTES:
         return await asyncio.to_thread(parse_body, model, raw)
     return parse_body(model, raw)
+
+
+async def _read_body(request: Request, limit: int, metrics: RouterMetrics) -> bytes:
+    """The body, or 413 as soon as it is known to exceed ``limit`` (by its Content-Length, or
+    while it arrives): a 50 MB body is not read, kept or parsed."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise _too_large(limit, metrics)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(limit, metrics)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_large(limit: int, metrics: RouterMetrics) -> APIError:
+    metrics.rejected("too_large")
+    return APIError(413, f"The request body is larger than {limit} bytes.", "invalid_request_error", None,
+                    "request_too_large")
 
 
 def _context(request: Request, body: Any, arrival: float, keyed: bool) -> RequestContext:
@@ -151,7 +177,8 @@ class _RunStream(StreamingResponse):
                 await self._run.close()
 
 
-def _respond(answer: Answer) -> Response:
+def _respond(request: Request, answer: Answer) -> Response:
+    request.state.run = answer.run  # its token counts, for the access log
     if answer.chunks is not None:
         return _RunStream(answer)
     if answer.body is None:
@@ -224,6 +251,9 @@ def _openapi_with_bodies(app: FastAPI) -> dict[str, Any]:
 def _install_error_handlers(app: FastAPI, metrics: RouterMetrics) -> None:
     def answer(request: Request, err: APIError) -> JSONResponse:
         metrics.count(err.status, request.url.path)
+        if err.status < 500:  # a refusal; no message: it may quote the request
+            log.info("refused %s %s: %d %s (param %s)", request.method, request.url.path, err.status,
+                     err.code or err.type, err.param)
         return JSONResponse(err.to_dict(), status_code=err.status, headers=err.headers)
 
     @app.exception_handler(APIError)

@@ -32,7 +32,7 @@ from typing import Any
 import uvicorn
 
 from glmserve.services.router.admission import AdmissionConfig
-from glmserve.services.router.app import create_app
+from glmserve.services.router.app import DEFAULT_MAX_BODY_BYTES, create_app
 from glmserve.services.router.grpc_backend import DisaggregatedBackend
 from glmserve.services.router.prefill_routing import POLICIES, RoutingConfig
 from glmserve.services.router.worker_pool import check_address
@@ -60,6 +60,7 @@ class RouterConfig:
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     drain_timeout_s: float = 30.0  # on SIGTERM, how long running requests may finish
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies get 413
 
     def __post_init__(self) -> None:
         if not (self.model / "config.json").is_file():
@@ -76,6 +77,8 @@ class RouterConfig:
             raise ValueError(f"poll_interval_s: must be > 0, got {self.poll_interval_s}")
         if self.drain_timeout_s < 0:
             raise ValueError(f"drain_timeout_s: must be >= 0, got {self.drain_timeout_s}")
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes: must be >= 1024, got {self.max_body_bytes}")
 
     @classmethod
     def from_args(cls, argv: Sequence[str] | None = None) -> RouterConfig:
@@ -111,6 +114,8 @@ class RouterConfig:
                        help="longest wait for a place (and for a full decode worker) before a 429")
         p.add_argument("--drain-timeout-s", type=float, default=cls.drain_timeout_s,
                        help="on SIGTERM, how long running requests may finish before they are ended")
+        p.add_argument("--max-body-bytes", type=int, default=cls.max_body_bytes,
+                       help="larger request bodies are refused with 413 before they are read")
         a = p.parse_args(argv)
         routing = RoutingConfig(host_credit=a.host_credit, max_imbalance=a.max_imbalance,
                                 shared_prefix_fraction=a.shared_prefix_fraction, session_ttl_s=a.session_ttl_s,
@@ -119,7 +124,7 @@ class RouterConfig:
                                     max_queued_per_tenant=a.max_queued_per_tenant, max_wait_s=a.max_queue_wait_s)
         return cls(a.model, tuple(a.decode), tuple(a.prefill), a.host, a.port, a.kvstore,
                    tuple(a.api_keys), a.served_model_name, a.poll_interval_s, routing=routing,
-                   admission=admission, drain_timeout_s=a.drain_timeout_s)
+                   admission=admission, drain_timeout_s=a.drain_timeout_s, max_body_bytes=a.max_body_bytes)
 
 
 class _Server(uvicorn.Server):
@@ -176,7 +181,8 @@ async def serve(config: RouterConfig) -> bool:
                                    poll_interval_s=config.poll_interval_s, routing=config.routing)
     app = create_app(backend, tokenizer, model_name=config.served_model_name or config.model.name,
                      api_keys=list(config.api_keys) or None,
-                     max_context=model_config["max_position_embeddings"])
+                     max_context=model_config["max_position_embeddings"], admission=config.admission,
+                     max_body_bytes=config.max_body_bytes)
     sock = _bind(config.host, config.port)
     port = sock.getsockname()[1]
     async def drain() -> None:

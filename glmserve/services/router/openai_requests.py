@@ -4,15 +4,21 @@ and `parse_body` validates a raw body into one (transport-free; responses are bu
 
 Every rejection is an `APIError` 400 naming the field (``param``), raised before anything reaches
 a backend. Types are strict (``"1.5"`` is not a number, ``1`` is not a boolean, numbers are finite).
+Numbers are checked against what the wire carries before any cast: floats must keep their value's
+kind as float32 (``temperature: 1e308`` would become inf, ``top_p: 1e-46`` zero), integers must fit
+their proto field. The JSON parser itself refuses invalid UTF-8, lone surrogates and nesting past
+its recursion limit (400, not a RecursionError).
 Unknown fields are ignored, as OpenAI-compatible servers do. Ranges of the sampling parameters are
 `SamplingParams`'s; the schema states the same bounds.
 """
 
 from __future__ import annotations
 
+import math
+import struct
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Strict, ValidationError, model_validator
 
 from glmserve.core.generation import MAX_LOGPROBS, SamplingParams
 from glmserve.services.router.errors import (
@@ -31,6 +37,23 @@ Int = Annotated[int, Strict()]
 Str = Annotated[str, Strict()]
 Number = Annotated[float, Strict(), Field(allow_inf_nan=False)]
 Body = TypeVar("Body", bound="GenerationBody")
+MAX_STOP_STRINGS = 16
+
+
+def _as_float32(value: float) -> float:
+    """``value`` when float32 keeps it: finite, and not flushed to zero (the proto's ``float``)."""
+    try:
+        narrowed = struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:
+        narrowed = math.inf
+    if math.isinf(narrowed):
+        raise ValueError(f"must be at most {3.4e38:g} in magnitude (a float32)")
+    if value != 0 and narrowed == 0:
+        raise ValueError(f"must be 0 or at least {1.2e-38:g} in magnitude (a float32)")
+    return value
+
+
+Float32 = Annotated[float, Strict(), Field(allow_inf_nan=False), AfterValidator(_as_float32)]
 
 
 class _Open(BaseModel):
@@ -109,10 +132,10 @@ class GenerationBody(_Open):
     stream_options: StreamOptions | None = None
     max_tokens: Annotated[int, Strict(), Field(ge=1)] | None = None
     max_completion_tokens: Annotated[int, Strict(), Field(ge=1)] | None = None
-    temperature: Annotated[float, Strict(), Field(ge=0, allow_inf_nan=False)] = 1.0
-    top_p: Annotated[float, Strict(), Field(gt=0, le=1, allow_inf_nan=False)] = 1.0
-    top_k: Annotated[int, Strict(), Field(ge=-1)] = -1  # vLLM extension; -1 or 0: off
-    seed: Int | None = None
+    temperature: Annotated[Float32, Field(ge=0)] = 1.0
+    top_p: Annotated[Float32, Field(gt=0, le=1)] = 1.0
+    top_k: Annotated[int, Strict(), Field(ge=-1, le=2**31 - 1)] = -1  # vLLM extension; -1 or 0: off
+    seed: Annotated[int, Strict(), Field(ge=-(2**63), le=2**63 - 1)] | None = None
     stop: Str | list[Str] | None = None
     ignore_eos: Bool = False  # vLLM extension
     n: Int = 1
@@ -128,6 +151,8 @@ class GenerationBody(_Open):
             raise ValueError("stream_options: only allowed when stream is true")
         if self.n != 1:
             raise ValueError("n: only n = 1 is supported")
+        if isinstance(self.stop, list) and len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop: at most {MAX_STOP_STRINGS} stop strings")
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name) != 0:
                 raise ValueError(f"{name}: not supported (only 0)")
@@ -159,6 +184,16 @@ class GenerationBody(_Open):
         except ValueError as e:
             raise from_value_error(e) from e
 
+    def check_length_bound(self, least_tokens: int, max_context: int, param: str) -> None:
+        """400 (``context_length_exceeded``) when a prompt of at least ``least_tokens`` tokens
+        cannot fit: checked before tokenizing, so a huge prompt costs no tokenizer time."""
+        limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        if least_tokens + (limit or 1) > max_context:
+            raise invalid_request(
+                f"This model's maximum context length is {max_context} tokens. However, the prompt alone "
+                f"has at least {least_tokens} tokens. Please reduce the length of the prompt.",
+                param, "context_length_exceeded")
+
     def check_model(self, served: str) -> None:
         """404 unless the request names the served model."""
         if self.model != served:
@@ -189,6 +224,11 @@ class ChatCompletionRequest(GenerationBody):
     @property
     def logprobs_count(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    def text_chars(self) -> int:
+        """Characters of the messages' text (a lower bound of what the template renders)."""
+        return sum(len(m.content) if isinstance(m.content, str) else sum(len(p.text) for p in m.content or ())
+                   for m in self.messages)
 
     def template_messages(self) -> list[dict[str, Any]]:
         return [m.for_template() for m in self.messages]
@@ -225,6 +265,9 @@ class CompletionRequest(GenerationBody):
     @property
     def logprobs_count(self) -> int | None:
         return self.logprobs
+
+    def text_chars(self) -> int:
+        return len(self.prompt) if isinstance(self.prompt, str) else 0
 
     def check_token_ids(self, vocab_size: int) -> None:
         if isinstance(self.prompt, list) and not all(0 <= t < vocab_size for t in self.prompt):

@@ -1,8 +1,10 @@
 """OpenAIServing: the router's transport-free serving layer. HTTP routes (`app`) are thin adapters
 over it: they read the body and the client's presence, it answers with an `Answer`.
 
-Per request, in this order: model (404), backend readiness (503), the prompt (chat template and
-tokenization off the event loop; 400 on a bad chat or prompt), context length (400), then the run
+Per request, in this order: model (404), draining and backend readiness (503), a length bound
+without tokenizing (400: the text's characters over the longest token's bytes), the prompt (chat
+template and tokenization off the event loop; 400 on a bad chat or prompt), context length (400),
+then the run
 (`RequestRun`): its admission (429 / 503 with ``Retry-After``) and its first event come before the
 `Answer` exists, so a refusal is an HTTP status, never an error inside a started stream. The backend's events carry the text (stop strings already applied where the engine
 runs); here it is only formatted, and parsed for tool calls. Fields were checked when the body was
@@ -39,7 +41,8 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class Answer:
     """A whole JSON ``body`` (``status`` 499: the client left first, nobody reads it), or a stream
-    of ``chunks`` (each one JSON object; an error object may end it) of ``run``."""
+    of ``chunks`` (each one JSON object; an error object may end it); ``run``: the request's run,
+    when one was accepted (a stream's transport closes it)."""
 
     body: dict[str, Any] | None = None
     chunks: AsyncIterator[dict[str, Any]] | None = None
@@ -67,6 +70,7 @@ class OpenAIServing:
 
     async def chat(self, body: ChatCompletionRequest, ctx: RequestContext) -> Answer:
         self._admit(body)
+        body.check_length_bound(body.text_chars() // self.tokenizer.max_token_bytes, self.max_context, "messages")
         tools = body.active_tools()
         try:
             prompt = await asyncio.to_thread(self.tokenizer.apply_chat_template, body.template_messages(), tools)
@@ -90,10 +94,11 @@ class OpenAIServing:
         return Answer(bodies.chat_completion(
             rid, self.created, self.model_name, content, parsed.tool_calls,
             _finish_reason(out.finish_reason, bool(parsed.tool_calls)), self._usage(run), logprobs,
-        ))
+        ), run=run)
 
     async def completion(self, body: CompletionRequest, ctx: RequestContext) -> Answer:
         self._admit(body)
+        body.check_length_bound(body.text_chars() // self.tokenizer.max_token_bytes, self.max_context, "prompt")
         body.check_token_ids(self.tokenizer.vocab_size)
         prompt = body.prompt
         ids = await asyncio.to_thread(self.tokenizer.encode, prompt) if isinstance(prompt, str) else list(prompt)
@@ -111,7 +116,7 @@ class OpenAIServing:
             return out
         logprobs = bodies.completion_logprobs(out.logprobs, 0) if params.logprobs is not None else None
         return Answer(bodies.completion(rid, self.created, self.model_name, out.text, out.finish_reason,
-                                        logprobs, self._usage(run)))
+                                        logprobs, self._usage(run)), run=run)
 
     def run(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
             ctx: RequestContext) -> RequestRun:
