@@ -251,6 +251,8 @@ def _openapi_with_bodies(app: FastAPI) -> dict[str, Any]:
 def _install_error_handlers(app: FastAPI, metrics: RouterMetrics) -> None:
     def answer(request: Request, err: APIError) -> JSONResponse:
         metrics.count(err.status, request.url.path)
+        if err.status == 400:
+            metrics.rejected("invalid")
         if err.status < 500:  # a refusal; no message: it may quote the request
             log.info("refused %s %s: %d %s (param %s)", request.method, request.url.path, err.status,
                      err.code or err.type, err.param)
