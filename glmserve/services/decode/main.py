@@ -6,8 +6,10 @@
 
 Loads the model, registers its KV cache as the transfer destination (the choice is logged), serves
 ``glmserve.decode.v1.Decode`` over gRPC (it is the prefill workers' gRPC client), prints
-``READY <host>:<port>`` when it takes requests, and on SIGTERM / SIGINT aborts every request
-(streams end with "abort", prefill workers are told) before it exits (status 0).
+``READY <host>:<port>`` when it takes requests, and on SIGTERM / SIGINT drains (not ready, new
+requests refused with UNAVAILABLE so routers use another worker, running ones finish for
+``--drain-timeout-s``), then ends what is left with an error event (prefill workers are told)
+before it exits (status 0).
 ``--prefill-timeout-s``: a Prefill call's deadline, and how long blocks stay reserved when a
 prefill worker cannot confirm its transfer drained (the timeout both sides agree on).
 ``--checksum``: prefill workers stamp each transfer with a checksum that is verified here.

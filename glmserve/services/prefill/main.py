@@ -5,7 +5,8 @@
 
 Loads the model, registers its KV cache with the transfer backend (the choice is logged), serves
 ``glmserve.prefill.v1.Prefill`` over gRPC, prints ``READY <host>:<port>`` when it takes requests, and
-on SIGTERM / SIGINT aborts and drains its transfers before it exits (status 0).
+on SIGTERM / SIGINT drains (not ready; what was routed here is still served, for up to
+``--drain-timeout-s``), then aborts what is left and drains its transfers before it exits (status 0).
 ``--transfer-timeout-s``: a write still running after this is failed and fenced; keep it, plus the
 5 s drain, below the decode workers' ``--prefill-timeout-s`` (the timeout both sides agree on).
 """
