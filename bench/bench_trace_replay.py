@@ -1,6 +1,6 @@
 """Trace replay: prefix-cache hit ratio and cache-aware vs round-robin routing on the Mooncake trace.
 
-Replays ``../shared/traces/mooncake_synthetic_trace.jsonl`` (3,993 requests, one hash id per
+Replays ``bench/traces/mooncake_synthetic_trace.jsonl`` (3,993 requests, one hash id per
 512-token block, prefix-chained) scaled down: every hash id becomes a fixed pseudo-random block of
 ``--tokens-per-id`` token ids (the same id always gives the same tokens, so the sharing structure is
 the trace's); a prompt's last id is shortened in proportion to the trace's partial last block.
@@ -58,7 +58,7 @@ from glmserve.services.router.prefill_routing import (  # noqa: E402
     RoutingConfig,
 )
 
-TRACE = REPO.parent / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
+TRACE = REPO / "bench" / "traces" / "mooncake_synthetic_trace.jsonl"
 TRACE_BLOCK = 512
 PARAMS = SamplingParams(max_tokens=1)
 
