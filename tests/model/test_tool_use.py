@@ -7,29 +7,21 @@ from __future__ import annotations
 import json
 import random
 import re
-from pathlib import Path
 
 import pytest
 import torch
 
 from glmserve.model.greedy import greedy_generate
-from glmserve.model.loader import load_model
-from glmserve.text.tokenizer import Tokenizer
 from tools import tiny_corpus
-from tools.tool_use_eval import ASKS, Run, ToolUseReport, batched_greedy, evaluate_tool_use, load_runs, prompt_ids
-
-MODEL_DIR = Path(__file__).resolve().parents[2] / "models" / "glm52-tiny"
-needs_model = pytest.mark.skipif(not (MODEL_DIR / "model.safetensors").exists(), reason="bundled model missing")
-
-
-@pytest.fixture(scope="module")
-def model():
-    return load_model(MODEL_DIR)
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return Tokenizer.from_dir(MODEL_DIR)
+from tools.tool_use_eval import (
+    ASKS,
+    Run,
+    ToolUseReport,
+    batched_greedy,
+    evaluate_tool_use,
+    load_runs,
+    prompt_ids,
+)
 
 
 def _norm(text: str) -> str:
@@ -67,8 +59,8 @@ def test_scoring_counts_calls_and_checks_schemas():
     assert rates["right_tool"] == rates["expected_arguments"] == 0.5
 
 
-@needs_model
-def test_batched_greedy_is_greedy(model, tokenizer):
+def test_batched_greedy_is_greedy(bundled_model, bundled_tokenizer):
+    model, tokenizer = bundled_model, bundled_tokenizer
     runs = load_runs()
     prompts = [prompt_ids(r, tokenizer) for r in (runs[0], runs[-1])]  # different lengths, one has a system prompt
     stops = list(tokenizer.eos_token_ids)
@@ -76,11 +68,10 @@ def test_batched_greedy_is_greedy(model, tokenizer):
     assert together == [greedy_generate(model, p, 8, stop_ids=stops) for p in prompts]
 
 
-@needs_model
 @pytest.mark.slow
 @torch.no_grad()
-def test_tool_use_on_unseen_asks(model, tokenizer):
-    rates = evaluate_tool_use(model, tokenizer).rates()
+def test_tool_use_on_unseen_asks(bundled_model, bundled_tokenizer):
+    rates = evaluate_tool_use(bundled_model, bundled_tokenizer).rates()
     print(json.dumps({k: round(v, 3) for k, v in rates.items()}))
     for label in ("with_system", "without_system"):
         assert rates[f"tool_asks_called_{label}"] >= 0.8, rates
