@@ -89,7 +89,8 @@ def test_draft_rollback_and_rebuild(cache, tokenizer):
     ids = _sample(RequestGrammar(compiled, tokenizer.vocab_size), tokenizer, seed=7)
     grammar = RequestGrammar.from_tokens(compiled, tokenizer.vocab_size, ids[:5])
     before = grammar.allowed_mask()
-    draft = ids[5:9] + [tokenizer.token_to_id("<tool_call>")]  # the last token breaks the grammar
+    assert len(ids) > 12
+    draft = ids[5:9] + [tokenizer.eos_token_ids[0]]  # a stop token before the JSON is complete breaks it
     assert grammar.accept_draft(draft) == 4
     grammar.rollback(4)
     assert torch.equal(grammar.allowed_mask(), before) and grammar.accepted == 5
