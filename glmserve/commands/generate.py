@@ -7,10 +7,8 @@ import json
 import sys
 import time
 
-import torch
-
+from glmserve.core.generation import SamplingParams
 from glmserve.engine.engine import Engine
-from glmserve.engine.sampling_params import SamplingParams
 from glmserve.text.detokenizer import IncrementalDetokenizer
 from glmserve.text.tokenizer import Tokenizer
 
@@ -35,17 +33,17 @@ def run_generate(args: argparse.Namespace) -> int:
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed
     )
-    engine = Engine.from_model_dir(args.model, dtype=getattr(torch, args.dtype), mtp=mtp_setting(args.mtp))
+    engine = Engine.from_model_dir(args.model, dtype=args.dtype, mtp=mtp_setting(args.mtp))
     detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=True)
     start = time.perf_counter()
     first = None
     req = engine.add_request("cli", prompt, params)
     while engine.has_unfinished():
         for out in engine.step():
-            if out.new_token_ids and first is None:
+            if out.token_ids and first is None:
                 first = time.perf_counter() - start
             if not args.json:
-                sys.stdout.write(detok.push(out.new_token_ids))
+                sys.stdout.write(detok.push(out.token_ids))
                 sys.stdout.flush()
     total = time.perf_counter() - start
     if args.json:

@@ -52,3 +52,14 @@ def test_schedules() -> None:
     poisson = send_offsets([0.0] * 2000, 10.0, seed=1)
     assert poisson == send_offsets([0.0] * 2000, 10.0, seed=1)
     assert poisson[-1] / 2000 == pytest.approx(0.1, rel=0.1)
+
+
+def test_the_progress_bar_counts_outcomes(capsys) -> None:
+    from glmserve.loadgen.progress import LiveProgress
+
+    with LiveProgress(enabled=True) as progress:
+        progress.section("replay trace", 3)
+        for status in ("ok", "cancelled", "error"):
+            progress.done(rec(0, status))
+        assert progress._counts == {"ok": 1, "cancelled": 1, "error": 1}
+    assert "replay trace" in capsys.readouterr().out

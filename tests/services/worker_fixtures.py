@@ -24,14 +24,14 @@ from pathlib import Path
 import grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from glmserve.engine.sampling_params import SamplingParams
+from glmserve.core.generation import SamplingParams
 from glmserve.proto_gen.glmserve.common.v1 import generation_pb2 as common_pb
 from glmserve.proto_gen.glmserve.decode.v1 import decode_pb2 as decode_pb
 from glmserve.proto_gen.glmserve.decode.v1 import decode_pb2_grpc as decode_grpc
 from glmserve.proto_gen.glmserve.prefill.v1 import prefill_pb2 as prefill_pb
 from glmserve.proto_gen.glmserve.prefill.v1 import prefill_pb2_grpc as prefill_grpc
+from glmserve.services.generation_proto import sampling_to_proto
 from glmserve.services.metrics_exposition import SERVICE_LABELS
-from glmserve.services.sampling_proto import to_proto
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL_DIR = Path(
@@ -39,6 +39,15 @@ MODEL_DIR = Path(
 )
 HAS_MODEL = (MODEL_DIR / "model.safetensors").exists()
 KV_CACHE_BYTES = 48 << 20  # ~130 blocks of 64 tokens with the bundled model: small pools, fast starts
+
+
+MetricSamples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def metric_samples(text: str) -> MetricSamples:
+    """Every sample of a /metrics page: (name, sorted labels but the service's own) -> value."""
+    return {(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k not in SERVICE_LABELS))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
 
 
 def free_port() -> int:
@@ -107,13 +116,11 @@ class WorkerProcess:
         with grpc.insecure_channel(self.address) as channel:
             return stub_cls(channel).Health(request, timeout=5)
 
-    def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    def metrics(self) -> MetricSamples:
         """Every sample of the worker's /metrics: (name, sorted labels) -> value."""
         url = f"http://127.0.0.1:{self.metrics_port}/metrics"
         with urllib.request.urlopen(url, timeout=5) as r:
-            text = r.read().decode()
-        return {(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k not in SERVICE_LABELS))): s.value
-                for family in text_string_to_metric_families(text) for s in family.samples}
+            return metric_samples(r.read().decode())
 
     def wait_free(self, free_blocks: int, timeout_s: float = 15.0) -> object:
         """Poll Health until ``free_blocks`` are free again and nothing runs; the last reply."""
@@ -155,7 +162,7 @@ def generate_request(request_id: str, prompt: Sequence[int], params: SamplingPar
                      generation: int = 1) -> decode_pb.GenerateRequest:
     return decode_pb.GenerateRequest(
         transfer=common_pb.TransferId(request_id=request_id, generation=generation),
-        prompt_ids=list(prompt), sampling=to_proto(params), prefill_target=prefill,
+        prompt_ids=list(prompt), sampling=sampling_to_proto(params), prefill_target=prefill,
     )
 
 
@@ -169,7 +176,7 @@ async def generate(stub: decode_grpc.DecodeStub, request: decode_pb.GenerateRequ
         async for event in call:
             out.events.append(event)
             out.tokens.extend(event.token_ids)
-            if event.finished:
+            if event.finish_reason:  # the last event
                 out.finish_reason, out.error = event.finish_reason, event.error
                 out.num_cached_tokens = event.num_cached_tokens
             if cancel_after_events is not None and len(out.events) >= cancel_after_events:
