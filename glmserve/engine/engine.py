@@ -21,6 +21,7 @@ from glmserve.core.stop_checker import StopChecker
 from glmserve.engine.engine_stats import EngineStats
 from glmserve.engine.host_offload import HostOffload, HostWrite
 from glmserve.engine.kv_cache_manager import KVCacheManager
+from glmserve.engine.logits_processor import LogitsProcessor
 from glmserve.engine.model_runner import ModelRunner
 from glmserve.engine.rejection_sampler import verify
 from glmserve.engine.request import Request, RequestStatus
@@ -73,9 +74,11 @@ class Engine:
         revision: str = "",
         tokenizer: Tokenizer | None = None,
         tokenizer_digest: str | None = None,
+        grammars=None,
     ):
         """``revision`` / ``tokenizer_digest`` enter the prefix-cache root, so KV is only reused for
-        the same weights and token meaning (``from_model_dir`` computes both from the files)."""
+        the same weights and token meaning (``from_model_dir`` computes both from the files).
+        ``grammars``: a compiled-grammar cache to share (`GrammarCache` of the same tokenizer)."""
         self.model = model
         self.tokenizer = tokenizer
         self.config = config
@@ -100,6 +103,7 @@ class Engine:
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_step_tokens), self.kv)
         self.runner = ModelRunner(model, self.cache)
         self.sampler = Sampler()
+        self.logits_processor = LogitsProcessor(tokenizer, model.config.vocab_size, grammars)
         max_drafts = 0 if not use_mtp else (config.max_drafts if config.mtp == "auto" else int(config.mtp))
         self.policy = SpecPolicy(max_drafts)
         self.fixed_drafts = None if config.mtp == "auto" else max_drafts
@@ -144,6 +148,7 @@ class Engine:
             raise ValueError("stop: stop strings need an engine with a tokenizer")
         req = Request(request_id, list(prompt_ids), params, priority=priority, hold_blocks=hold_blocks,
                       cache_salt=cache_salt or None)
+        self.logits_processor.attach(req)
         req.stop_checker = StopChecker(params, self.eos_ids)
         if self.tokenizer is not None:
             req.detokenizer = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=True)
@@ -213,8 +218,9 @@ class Engine:
 
         `last_hidden` is the prefill worker's normed hidden state at the last prompt position: with the
         first token it seeds MTP drafting. Returns the first token's output (it may already finish)."""
-        blocks = self.reserved.pop(request_id)
         req = Request(request_id, list(prompt_ids), params, cache_salt=cache_salt or None)
+        self.logits_processor.attach(req)  # first: a bad request keeps its reservation for release()
+        blocks = self.reserved.pop(request_id)
         req.stop_checker = StopChecker(params, self.eos_ids)
         if self.tokenizer is not None:
             req.detokenizer = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=True)
@@ -245,11 +251,12 @@ class Engine:
         draft_counts = {len(w.request.drafts) for w in work if w.is_decode}
         pure_decode = all(w.is_decode for w in work) and len(draft_counts) == 1
         main = self.runner.run_main(work)
-        verified = self._verify(work, main.logits)
+        logits = self.logits_processor.adjust(work, main.logits)  # grammar, bias, penalties (a copy)
+        verified = self._verify(work, logits)
         outputs, to_draft, gained = [], [], 0
         for i, w in enumerate(work):
             req, start, was_decode = w.request, w.request.num_computed, w.is_decode
-            new_tokens = self._advance(w, main.logits[i], verified.get(i))
+            new_tokens = self._advance(w, logits[i], verified.get(i))
             gained += len(new_tokens)
             if not was_decode and main.logits[i] is not None:
                 req.last_hidden = main.hidden[i][-1].clone()
@@ -319,6 +326,7 @@ class Engine:
         if kept and req.first_token_time is None:
             req.first_token_time = time.monotonic()
         logprobs, top_logprobs = self._logprobs(req, kept, logits)
+        self.logits_processor.kept(req, kept)
         req.output_ids.extend(kept)
         req.output_logprobs.extend(logprobs)
         req.output_top_logprobs.extend(top_logprobs)
@@ -438,10 +446,11 @@ class Engine:
                 topk = result.topk
 
     def _propose(self, req: Request, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
-        if req.params.is_greedy:
-            return int(logits.argmax()), None
-        q = processed_probs(logits[None], [req.params])[0]
-        return int(torch.multinomial(q, 1, generator=req.generator)), q
+        logits = self.logits_processor.draft_logits(req, logits)
+        q = None if req.params.is_greedy else processed_probs(logits[None], [req.params])[0]
+        token = int(logits.argmax()) if q is None else int(torch.multinomial(q, 1, generator=req.generator))
+        self.logits_processor.drafted(req, token)
+        return token, q
 
     # --- convenience ----------------------------------------------------------------------------
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -29,6 +30,7 @@ class Request:
     - `mtp_pending`: main-model hidden rows of positions mtp_synced.. not yet run through the MTP layer
       (steps that drafted nothing); they are caught up when drafting resumes.
     - `drafts` / `draft_probs`: MTP proposals for the tokens after the pending one, verified next step.
+    - `logits`: what processes its logits before sampling (grammar, penalties, bias; `LogitsProcessor`).
     """
 
     request_id: str
@@ -60,6 +62,7 @@ class Request:
     detokenizer: IncrementalDetokenizer | None = None  # set when the engine produces text
     text: str = ""  # visible text so far (stop strings cut it)
     num_streamed_chars: int = 0
+    logits: Any = None  # a logits_processor.RequestLogits, or None when nothing applies
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
