@@ -18,7 +18,7 @@ import anyio
 
 from glmserve.core.generation import SamplingParams, TokenEvent
 from glmserve.services.router.backend import BackendUnavailable, GenerationBackend, RequestHints
-from glmserve.services.router.errors import internal_error, service_unavailable
+from glmserve.services.router.errors import internal_error, refused_request, service_unavailable
 from glmserve.services.router.metrics import RouterMetrics
 from glmserve.services.router.token_logprobs import TokenLogprob, token_logprobs
 from glmserve.text.tokenizer import Tokenizer
@@ -93,8 +93,9 @@ class RequestRun:
                     if finished:
                         self.metrics.finished(event.finish_reason)
                     if event.finish_reason == "error":
-                        status = 500
-                        raise internal_error(f"generation failed: {event.error}")
+                        refused = refused_request(event.error)
+                        status = 400 if refused is not None else 500
+                        raise refused or internal_error(f"generation failed: {event.error}")
                     if event.finish_reason == "abort":
                         if not self.disconnected:
                             status = 503

@@ -18,16 +18,16 @@ from contextlib import aclosing
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from glmserve.core.generation import SamplingParams
+from glmserve.core.generation import MAX_LOGIT_BIAS, SamplingParams
 from glmserve.services.router import completion_bodies as bodies
 from glmserve.services.router.backend import GenerationBackend
 from glmserve.services.router.errors import APIError, from_value_error, service_unavailable
 from glmserve.services.router.metrics import RouterMetrics
 from glmserve.services.router.openai_requests import ChatCompletionRequest, CompletionRequest, GenerationBody
 from glmserve.services.router.request_run import Output, RequestContext, RequestRun
-from glmserve.text.special_tokens import TOOL_MARKUP
+from glmserve.services.router.tool_call_parsing import CallParsing
+from glmserve.text.special_tokens import TOOL_CALL_START, TOOL_MARKUP
 from glmserve.text.tokenizer import Tokenizer
-from glmserve.text.tool_calls import ParsedOutput, ToolCallStreamParser, parse_tool_calls
 
 
 @dataclass(frozen=True)
@@ -63,17 +63,22 @@ class OpenAIServing:
             prompt = await asyncio.to_thread(self.tokenizer.apply_chat_template, body.template_messages(), tools)
         except ValueError as e:
             raise from_value_error(e, "messages") from e
-        params = body.sampling_params(len(prompt), self.max_context, "messages")
+        grammar = body.grammar()
+        params = body.sampling_params(len(prompt), self.max_context, "messages", self.tokenizer.vocab_size, grammar)
         if tools is not None:  # the tool-call parser reads the markup in the text
             params = replace(params, visible_special_tokens=TOOL_MARKUP)
+        elif body.tools:  # tool_choice "none": no call may start
+            params = replace(params, logit_bias=_banned(params.logit_bias, self._call_start))
+        calls = CallParsing(tools, strip_values=grammar is not None and grammar.kind == "tool_calls",
+                            parallel=body.parallel_tool_calls)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         run = self.run(rid, prompt, params, ctx)
         if body.stream:
-            return Answer(chunks=self._chat_chunks(run, tools, body.include_usage), run=run)
+            return Answer(chunks=self._chat_chunks(run, calls, body.include_usage), run=run)
         out = await _whole(run)
         if isinstance(out, Answer):
             return out
-        parsed = parse_tool_calls(out.text, tools) if tools else ParsedOutput(out.text)
+        parsed = calls.parse(out.text)
         logprobs = bodies.chat_logprobs(out.logprobs) if params.logprobs is not None else None
         content = parsed.content if parsed.content or not parsed.tool_calls else None
         return Answer(bodies.chat_completion(
@@ -88,7 +93,7 @@ class OpenAIServing:
         ids = await asyncio.to_thread(self.tokenizer.encode, prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise from_value_error(ValueError("prompt: the prompt has no tokens"))
-        params = body.sampling_params(len(ids), self.max_context, "prompt")
+        params = body.sampling_params(len(ids), self.max_context, "prompt", self.tokenizer.vocab_size)
         rid = f"cmpl-{uuid.uuid4().hex}"
         run = self.run(rid, ids, params, ctx)
         if body.stream:
@@ -117,10 +122,14 @@ class OpenAIServing:
         out = run.output
         return bodies.usage(len(run.prompt_ids), out.num_generated, out.num_cached_tokens)
 
-    async def _chat_chunks(self, run: RequestRun, tools: list[dict[str, Any]] | None,
+    @property
+    def _call_start(self) -> int | None:
+        return self.tokenizer.token_to_id(TOOL_CALL_START)
+
+    async def _chat_chunks(self, run: RequestRun, calls_parsing: CallParsing,
                            include_usage: bool) -> AsyncIterator[dict[str, Any]]:
         rid, created, model = run.request_id, self.created, self.model_name
-        parser = ToolCallStreamParser(tools) if tools else None
+        parser = calls_parsing.stream_parser()
         has_calls, finish = False, None
         yield bodies.chat_chunk(rid, created, model, {"role": "assistant", "content": ""})
         try:
@@ -130,7 +139,7 @@ class OpenAIServing:
                     if parser is not None:  # tool-call markup becomes `tool_calls` once a call closes
                         parts = [parser.feed(text)] + ([parser.finish()] if finish is not None else [])
                         content = "".join(p.content for p in parts)
-                        calls = [c for p in parts for c in p.tool_calls]
+                        calls = calls_parsing.allowed([c for p in parts for c in p.tool_calls])
                     has_calls = has_calls or bool(calls)
                     if content or calls or logprobs:
                         delta: dict[str, Any] = {"content": content} if content or not calls else {}
@@ -171,6 +180,13 @@ async def _whole(run: RequestRun) -> Output | Answer:
     except APIError as e:  # counted by the run already
         return Answer(e.to_dict(), status=e.status, headers=e.headers)
     return out if out.finish_reason is not None else Answer(status=499)
+
+
+def _banned(bias: tuple[tuple[int, float], ...], token: int | None) -> tuple[tuple[int, float], ...]:
+    """``bias`` with ``token`` at the lowest bias OpenAI allows (the model never picks it in practice)."""
+    if token is None:
+        return bias
+    return tuple(sorted({**dict(bias), token: -MAX_LOGIT_BIAS}.items()))
 
 
 def _finish_reason(reason: str, has_calls: bool) -> str:
