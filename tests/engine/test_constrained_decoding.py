@@ -105,6 +105,7 @@ def test_greedy_with_grammar_equals_plain_masked_greedy(model, tokenizer, cache,
     assert sum(r.finish_reason == "stop" for r, n in zip(reqs, names, strict=True) if n) >= 2
 
 
+@pytest.mark.slow
 def test_sampled_output_with_mtp_parses(model, tokenizer, cache):
     engine = _engine(model, tokenizer, cache, mtp=2)
     ps = prompts(6, seed=9, min_len=5, max_len=30)
@@ -116,6 +117,7 @@ def test_sampled_output_with_mtp_parses(model, tokenizer, cache):
     assert engine.stats.accepted_tokens > 0
 
 
+@pytest.mark.slow
 def test_preemption_keeps_the_grammar(model, tokenizer, cache, oracle):
     small = _engine(model, tokenizer, cache, mtp=1).cache.layout.bytes_per_block * 10
     engine = _engine(model, tokenizer, cache, mtp=2, kv_cache_bytes=small, max_num_seqs=6)
@@ -127,6 +129,7 @@ def test_preemption_keeps_the_grammar(model, tokenizer, cache, oracle):
         assert r.output_ids == oracle(p, SPECS["schema"])
 
 
+@pytest.mark.slow
 def test_prefill_then_decode_rebuilds_the_matcher(model, tokenizer, cache, oracle, mtp=2):
     prefill, decode = _engine(model, tokenizer, cache, mtp=mtp), _engine(model, tokenizer, cache, mtp=mtp)
     spec = SPECS["tools"]
