@@ -35,33 +35,33 @@ Penalty = Annotated[float, Strict(), Field(ge=-MAX_PENALTY, le=MAX_PENALTY, allo
 Body = TypeVar("Body", bound="GenerationBody")
 
 
-class _Open(BaseModel):
+class OpenBody(BaseModel):
     """Unknown fields are accepted and ignored."""
 
     model_config = ConfigDict(extra="allow")
 
 
-class StreamOptions(_Open):
+class StreamOptions(OpenBody):
     include_usage: Bool = False
 
 
-class TextPart(_Open):
+class TextPart(OpenBody):
     type: Literal["text"]
     text: Str
 
 
-class FunctionCall(_Open):
+class FunctionCall(OpenBody):
     name: Str
     arguments: Str = "{}"
 
 
-class ToolCall(_Open):
+class ToolCall(OpenBody):
     id: Str | None = None
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class ChatMessage(_Open):
+class ChatMessage(OpenBody):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Str | list[TextPart] | None = None
     tool_calls: list[ToolCall] | None = None
@@ -83,27 +83,27 @@ class ChatMessage(_Open):
         return {**out, "role": ROLES[self.role], "content": content}
 
 
-class FunctionSpec(_Open):
+class FunctionSpec(OpenBody):
     name: Annotated[str, Strict(), Field(min_length=1)]
     description: Str | None = None
     parameters: dict[str, Any] = Field(default_factory=dict)
 
 
-class Tool(_Open):
+class Tool(OpenBody):
     type: Literal["function"] = "function"
     function: FunctionSpec
 
 
-class NamedFunction(_Open):
+class NamedFunction(OpenBody):
     name: Str
 
 
-class NamedToolChoice(_Open):
+class NamedToolChoice(OpenBody):
     type: Literal["function"] = "function"
     function: NamedFunction
 
 
-class JsonSchemaFormat(_Open):
+class JsonSchemaFormat(OpenBody):
     model_config = ConfigDict(extra="allow", populate_by_name=True)
     name: Annotated[str, Strict(), Field(min_length=1)]
     description: Str | None = None
@@ -111,7 +111,7 @@ class JsonSchemaFormat(_Open):
     strict: Bool | None = None
 
 
-class ResponseFormat(_Open):
+class ResponseFormat(OpenBody):
     """``text`` (free), ``json_object`` (any JSON object) or ``json_schema`` (valid for its schema)."""
 
     type: Literal["text", "json_object", "json_schema"]
@@ -124,7 +124,7 @@ class ResponseFormat(_Open):
         return self
 
 
-class GenerationBody(_Open):
+class GenerationBody(OpenBody):
     """What chat and completions bodies share."""
 
     model: Annotated[str, Strict(), Field(min_length=1)]
