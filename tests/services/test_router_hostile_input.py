@@ -64,6 +64,8 @@ CORPUS = {
     "tool_calls on a user message": with_fields(messages=[{"role": "user", "content": "x", "tool_calls": []}]),
     "temperature 1e308": with_fields(temperature=1e308),
     "top_p 1e-46": with_fields(top_p=1e-46),
+    "repetition_penalty 1e308": with_fields(repetition_penalty=1e308),
+    "min_p 1e-46": with_fields(min_p=1e-46),
     "top_k past int32": with_fields(top_k=2**40),
     "seed past int64": with_fields(seed=2**70),
     "max_tokens of 5000 digits": with_fields()[:-1] + b', "max_tokens": ' + b"9" * 5000 + b"}",

@@ -42,8 +42,10 @@ from glmserve.services.router.openai_requests import (
     parse_body,
 )
 from glmserve.services.router.request_hints import request_hints
+from glmserve.services.router.request_id import RequestIdMiddleware
 from glmserve.services.router.request_run import RequestContext
 from glmserve.services.router.serving import Answer, OpenAIServing
+from glmserve.services.router.tokenize_requests import DetokenizeRequest, TokenizeRequest
 from glmserve.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -55,6 +57,8 @@ _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 BODIES: dict[str, type[BaseModel]] = {
     "/v1/chat/completions": ChatCompletionRequest,
     "/v1/completions": CompletionRequest,
+    "/tokenize": TokenizeRequest,
+    "/detokenize": DetokenizeRequest,
 }
 
 
@@ -71,8 +75,9 @@ def create_app(
     """An OpenAI-compatible app serving ``model_name`` through ``backend``.
 
     ``max_context``: the model's `max_position_embeddings` (prompt + max_tokens must fit).
-    ``api_keys``: when non-empty, `/v1/*` needs `Authorization: Bearer <one of them>`; `/health`,
-    `/ready`, `/metrics` and `/openapi.json` stay open (probes and scrapers carry no keys).
+    ``api_keys``: when non-empty, `/v1/*`, `/tokenize` and `/detokenize` need `Authorization: Bearer
+    <one of them>`; `/health`, `/ready`, `/metrics` and `/openapi.json` stay open (probes and
+    scrapers carry no keys). Every answer carries ``x-request-id`` (`request_id`).
     ``admission``: the bounds of the admission queue (`AdmissionConfig`'s defaults when None).
     ``max_body_bytes``: a larger request body is refused with 413 before it is read whole.
     The backend is started and closed by the app's lifespan.
@@ -110,10 +115,23 @@ def create_app(
     async def models() -> dict[str, Any]:
         return serving.models()
 
+    @app.get("/v1/models/{model_id:path}", dependencies=[Depends(authorize)])
+    async def model(model_id: str) -> dict[str, Any]:
+        return serving.model(model_id)
+
+    @app.post("/tokenize", dependencies=[Depends(authorize)])
+    async def tokenize(request: Request) -> dict[str, Any]:
+        return await serving.tokenize(await _parse(request, TokenizeRequest, max_body_bytes, metrics))
+
+    @app.post("/detokenize", dependencies=[Depends(authorize)])
+    async def detokenize(request: Request) -> dict[str, Any]:
+        return await serving.detokenize(await _parse(request, DetokenizeRequest, max_body_bytes, metrics))
+
     _add_probes(app, backend, metrics, serving)
     _install_error_handlers(app, metrics)
     app.add_middleware(AccessLog)
     app.openapi = lambda: _openapi_with_bodies(app)  # type: ignore[method-assign]
+    app.add_middleware(RequestIdMiddleware)
     return app
 
 
@@ -158,7 +176,8 @@ def _context(request: Request, body: Any, arrival: float, keyed: bool) -> Reques
 
     hints = request_hints(request.headers, body.user, token)
     tenant = hashlib.sha256(token.encode()).hexdigest()[:16] if token is not None else ""
-    return RequestContext(arrival, request.url.path, hints, disconnected, tenant, body.priority)
+    return RequestContext(arrival, request.url.path, hints, disconnected, request.state.request_id, tenant,
+                          body.priority)
 
 
 class _RunStream(StreamingResponse):

@@ -30,6 +30,7 @@ from glmserve.services.router.errors import (
     APIError,
     internal_error,
     refused,
+    refused_request,
     service_unavailable,
     without_addresses,
 )
@@ -47,6 +48,7 @@ class RequestContext:
     - ``arrival``: its `time.monotonic()` arrival; ``endpoint``: the API path (for metrics);
     - ``hints``: session and tenant cache salt (`RequestHints`);
     - ``disconnected``: returns once the client has gone away (never, for a client that stays);
+    - ``client_request_id``: the ``x-request-id`` the answer carries (in log lines);
     - ``tenant``: whose share of the admission queue it takes ("" : anonymous, no per-tenant cap);
       ``priority``: lower runs first.
     """
@@ -55,6 +57,7 @@ class RequestContext:
     endpoint: str
     hints: RequestHints
     disconnected: Callable[[], Awaitable[None]]
+    client_request_id: str = ""
     tenant: str = ""
     priority: int = 0
 
@@ -122,7 +125,7 @@ class RequestRun:
             return False
         except Rejected as e:
             await self.close()
-            log.warning("request %s refused (%s): %d %s", self.request_id, e.reason, e.status, e)
+            log.warning("request %s refused (%s): %d %s", self._who, e.reason, e.status, e)
             raise refused(e.status, str(e), e.reason, e.retry_after_s) from None
         except BaseException:
             await self.close()
@@ -139,12 +142,12 @@ class RequestRun:
             try:
                 first = await anext(stream)
             except BackendFull as e:  # a state that passes: wait for a request to end, then try again
-                log.info("request %s waits for a decode worker: %s", self.request_id, e)
+                log.info("request %s waits for a decode worker: %s", self._who, e)
                 await self._ticket.wait_for_capacity(self._gone)
                 continue
             except BackendUnavailable as e:
                 self.metrics.rejected("no_worker")
-                log.warning("request %s refused (no_worker): 503 %s", self.request_id, e)
+                log.warning("request %s refused (no_worker): 503 %s", self._who, e)
                 raise service_unavailable() from None
             except StopAsyncIteration:
                 raise self._failed("the backend ended the stream without an event") from None
@@ -156,14 +159,21 @@ class RequestRun:
                 raise self._ended_by_backend(first)
             return first
 
+    @property
+    def _who(self) -> str:
+        """The request, as log lines name it."""
+        return f"{self.request_id} (x-request-id {self.ctx.client_request_id or '-'})"
+
     def _failed(self, detail: str | None) -> APIError:
-        log.warning("request %s failed: %s", self.request_id, detail)
+        log.warning("request %s failed: %s", self._who, detail)
         return internal_error(f"generation failed: {without_addresses(detail or 'unknown error')}")
 
     def _ended_by_backend(self, event: TokenEvent) -> APIError:
+        """The answer for an event that ended the request on the server's side: 503 for an abort,
+        400 for a field the backend checks (`refused_request`), else 500."""
         if event.finish_reason == "abort":
             return service_unavailable("the request was aborted by the server")
-        return self._failed(event.error)
+        return refused_request(event.error) or self._failed(event.error)
 
     # --- running ---------------------------------------------------------------------------------------
 
@@ -196,7 +206,7 @@ class RequestRun:
             raise self._failed("the backend ended the stream without a final event")
         except BackendUnavailable as e:
             status = 503
-            log.warning("request %s lost its backend: %s", self.request_id, e)
+            log.warning("request %s lost its backend: %s", self._who, e)
             raise service_unavailable() from e
         finally:
             await self.close(status)
