@@ -24,6 +24,9 @@ R = TypeVar("R")
 TIER_FROM_PROTO = {pb.TIER_DEVICE: Tier.DEVICE, pb.TIER_HOST: Tier.HOST}
 TIER_TO_PROTO = {tier: value for value, tier in TIER_FROM_PROTO.items()}
 KIND_FROM_PROTO = {pb.EVENT_KIND_STORED: "stored", pb.EVENT_KIND_REMOVED: "removed"}
+# The codes `_rpc` answers failures with; every (rpc, code) is exported as 0 from the start, so the
+# first failure shows in rate() too.
+ERROR_CODES = ("INVALID_ARGUMENT", "UNAVAILABLE", "FAILED_PRECONDITION", "NOT_FOUND", "DEADLINE_EXCEEDED")
 
 
 def _rpc(fn: Callable[[Any, Any, grpc.ServicerContext], R]) -> Callable[[Any, Any, grpc.ServicerContext], R]:
@@ -47,6 +50,7 @@ def _rpc(fn: Callable[[Any, Any, grpc.ServicerContext], R]) -> Callable[[Any, An
             self.metrics.rpc_errors.labels(rpc=fn.__name__, code=code.name).inc()
         context.abort(code, details)  # raises
 
+    handler.counts_errors = True  # type: ignore[attr-defined]
     return handler
 
 
@@ -58,6 +62,11 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         self.index = index
         self.metrics = metrics
         self.host = host
+        if metrics is not None:
+            for name in dir(type(self)):
+                if getattr(getattr(type(self), name), "counts_errors", False):
+                    for code in ERROR_CODES:
+                        metrics.rpc_errors.labels(rpc=name, code=code)
 
     def _host(self) -> HostTier:
         if self.host is None:

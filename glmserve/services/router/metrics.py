@@ -17,6 +17,9 @@ from glmserve.services.metrics_exposition import add_process_metrics, labelled, 
 
 ENDPOINTS = {"/v1/chat/completions": "chat_completions", "/v1/completions": "completions", "/v1/models": "models"}
 FINISH_REASONS = ("stop", "length")
+# Statuses every generating endpoint exports from the start: a counter series born at its first
+# increment has no rate() for that increment (a burst of 503s would never show).
+STATUSES = ("200", "400", "413", "429", "499", "500", "503")
 REJECTION_REASONS = ("no_worker",)  # 503 while no prefill or decode worker is ready
 
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
@@ -63,7 +66,8 @@ class RouterMetrics:
         for reason in REJECTION_REASONS:
             self.rejections.labels(reason=reason)
         for endpoint in ENDPOINTS.values():
-            self.requests.labels(endpoint=endpoint, status="200")
+            for status in STATUSES if endpoint != "models" else ("200",):
+                self.requests.labels(endpoint=endpoint, status=status)
         self.prompt_tokens = Counter(
             "glmserve_router_prompt_tokens", "Prompt tokens of accepted requests.", registry=r
         )
