@@ -16,7 +16,7 @@ import asyncio
 import logging
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -29,6 +29,7 @@ from glmserve.services.host_link import HostSettings
 from glmserve.services.kv_events import KVEventPublisher, PublisherCollector
 from glmserve.services.kvstore.client import KVStoreClient
 from glmserve.services.metrics_exposition import MetricsServer, labelled
+from glmserve.services.tracing import Tracing
 
 if TYPE_CHECKING:
     from glmserve.engine.engine import Engine
@@ -174,15 +175,17 @@ def start_block_events(kvstore: str | None, worker_id: str) -> KVEventPublisher 
 
 async def serve_worker(config: WorkerConfig, worker: Worker, add_servicer: Callable[[grpc.aio.Server], None],
                        registry: CollectorRegistry | None, publisher: KVEventPublisher | None, name: str,
-                       role: str) -> int:
+                       role: str, tracing: Tracing | None = None) -> int:
     """`run_worker` with the worker's block-event publisher on its metrics, closed on exit; every
-    sample is served with the ``model_name`` and ``role`` labels."""
+    sample is served with the ``model_name`` and ``role`` labels; the server traces the calls of
+    requests with ``tracing`` (off when None)."""
     if publisher is not None and registry is not None:
         registry.register(PublisherCollector(publisher))
     try:
         served = None if registry is None else labelled(registry, {"model_name": config.model_name, "role": role})
         return await run_worker(worker, add_servicer, host=config.host, port=config.port, registry=served,
-                                metrics_port=config.metrics_port, name=name)
+                                metrics_port=config.metrics_port, name=name,
+                                interceptors=tracing.server_interceptors() if tracing is not None else ())
     finally:
         if publisher is not None:
             await asyncio.to_thread(publisher.close)
@@ -202,6 +205,7 @@ async def run_worker(
     registry: CollectorRegistry | None,
     metrics_port: int | None,
     name: str,
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
 ) -> int:
     """Runs the process's worker until SIGTERM / SIGINT (see the module docstring); exit status."""
     loop = asyncio.get_running_loop()
@@ -217,7 +221,7 @@ async def run_worker(
         return 0
     stopping.cancel()
     starting.result()  # a load error ends the process here, with its traceback
-    server = grpc.aio.server()
+    server = grpc.aio.server(interceptors=list(interceptors))
     add_servicer(server)
     bound = server.add_insecure_port(f"{host}:{port}")
     await server.start()
