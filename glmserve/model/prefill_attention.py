@@ -1,11 +1,12 @@
 """Prefill attention kernels of one sequence: sparse over the DSA top-k, or dense while it is short.
 
-- sparse (the context is longer than `index_topk`): absorbed attention over only the selected latent
+- sparse (a long context): absorbed attention over only the selected latent
   rows. Query tiles gather their [tile, k] rows straight from where the rows live (the paged cache,
   through the block table), so no sequence's whole context is copied and no [S, T] score or mask
   tensor exists; kv_b_proj is folded into the query and the output, so no context latent is expanded.
-- dense (every query sees at most `index_topk` keys, so the selection is everything): the keys and
-  values are expanded once and attended with PyTorch's fused scaled-dot-product kernel.
+- dense (the context is within a few times `index_topk`): the keys and values are expanded once and
+  attended with PyTorch's fused scaled-dot-product kernel, masked to the selection; on short
+  contexts that is cheaper than gathering k rows for every query.
 Tiles keep each temporary near `TILE_VALUES` values, so a 16K-token chunk runs in cache-sized pieces.
 """
 
@@ -65,15 +66,18 @@ def sparse_latent_attention(
 
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                    scale: float) -> torch.Tensor:
-    """Causal attention of S queries (positions [S], the last S of the context) over T keys.
+                    scale: float, chosen: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of S queries (positions [S], the last S of the context) over T keys,
+    restricted to `chosen` [S, T] (bool) when given.
 
     q [S, H, E], k [T, H, E], v [T, H, Ev] -> [S, H, Ev], with PyTorch's fused kernel."""
     s, t = q.shape[0], k.shape[0]
     args = (q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1))
-    if s == t:
+    if s == t and chosen is None:
         out = F.scaled_dot_product_attention(*args, is_causal=True, scale=scale)
     else:
         mask = torch.arange(t, device=positions.device) <= positions.unsqueeze(-1)
+        if chosen is not None:
+            mask &= chosen
         out = F.scaled_dot_product_attention(*args, attn_mask=mask, scale=scale)
     return out.transpose(0, 1)
