@@ -18,7 +18,8 @@ import torch
 from glmserve.core.block_hash import CacheKeyRoot
 from glmserve.core.generation import SamplingParams, TokenEvent
 from glmserve.core.stop_checker import StopChecker
-from glmserve.engine.engine_stats import EngineStats
+from glmserve.engine.engine_stats import EngineLoad, EngineStats
+from glmserve.engine.handoff import HeldPrefill, PrefillOutput
 from glmserve.engine.host_offload import HostOffload, HostWrite
 from glmserve.engine.kv_cache_manager import KVCacheManager
 from glmserve.engine.model_runner import ModelRunner
@@ -35,7 +36,7 @@ from glmserve.model.loader import load_model
 from glmserve.model.mtp_draft import extend_shared_topk
 from glmserve.model.paged_cache import PagedKVCache
 from glmserve.model.revision import model_revision
-from glmserve.text.detokenizer import IncrementalDetokenizer
+from glmserve.text.output_text import OutputText
 from glmserve.text.tokenizer import Tokenizer
 from glmserve.text.tokenizer_digest import tokenizer_digest as tokenizer_files_digest
 
@@ -131,7 +132,7 @@ class Engine:
         cache_salt: str | None = None,
     ) -> Request:
         """Queue a request. `hold_blocks` (prefill workers): when it finishes, its blocks stay allocated
-        and `held[request_id]` keeps it, with `last_hidden` set, until `release(request_id)`.
+        and `held_prefill(request_id)` says what it kept, until `release(request_id)`.
         `cache_salt`: the tenant's prefix-cache salt (only requests with the same salt share KV)."""
         if request_id in self.requests or request_id in self.held:
             raise ValueError(f"request_id: {request_id!r} is already running")
@@ -142,13 +143,18 @@ class Engine:
             raise ValueError(f"prompt_ids: token ids out of range: {bad[:5]}")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop: stop strings need an engine with a tokenizer")
-        req = Request(request_id, list(prompt_ids), params, priority=priority, hold_blocks=hold_blocks,
-                      cache_salt=cache_salt or None)
-        req.stop_checker = StopChecker(params, self.eos_ids)
-        if self.tokenizer is not None:
-            req.detokenizer = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=True)
+        req = self._new_request(request_id, prompt_ids, params, cache_salt, priority=priority,
+                                hold_blocks=hold_blocks)
         self.requests[request_id] = req
         self.scheduler.add(req)
+        return req
+
+    def _new_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                     cache_salt: str | None, **fields) -> Request:
+        req = Request(request_id, list(prompt_ids), params, cache_salt=cache_salt or None, **fields)
+        req.stop_checker = StopChecker(params, self.eos_ids)
+        if self.tokenizer is not None:
+            req.output_text = OutputText(self.tokenizer, params, req.stop_checker)
         return req
 
     def abort(self, request_id: str) -> bool:
@@ -160,6 +166,13 @@ class Engine:
         req.status, req.finish_reason = RequestStatus.FINISHED, "abort"
         self.stats.aborts += 1
         return True
+
+    def abort_all(self) -> list[str]:
+        """Abort every running or waiting request (a failed step); returns their ids."""
+        ids = list(self.requests)
+        for request_id in ids:
+            self.abort(request_id)
+        return ids
 
     # --- host tier ------------------------------------------------------------------------------
 
@@ -205,33 +218,61 @@ class Engine:
         self.reserved[request_id] = blocks
         return blocks
 
-    def add_prefilled(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams, first_token: int,
-        last_hidden: torch.Tensor, num_cached: int = 0, cache_salt: str | None = None,
-    ) -> TokenEvent:
+    def held_prefill(self, request_id: str) -> HeldPrefill:
+        """What a finished prefill-only request kept (its blocks stay owned until `release`)."""
+        req = self.held[request_id]
+        output = PrefillOutput(
+            first_token=req.output_ids[0],
+            mtp_hidden=req.last_hidden.detach().float().contiguous().numpy().tobytes(),
+            first_logprob=req.output_logprobs[0] if req.output_logprobs else None,
+            first_top_logprobs=req.output_top_logprobs[0] if req.output_top_logprobs else [],
+            num_cached_tokens=req.num_cached_prompt,
+        )
+        timed = req.scheduled_time is not None and req.first_token_time is not None
+        return HeldPrefill(
+            list(req.block_ids), output,
+            queue_s=req.scheduled_time - req.arrival if timed else None,
+            compute_s=req.first_token_time - req.scheduled_time if timed else None,
+        )
+
+    def add_prefilled(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                      prefilled: PrefillOutput, cache_salt: str | None = None) -> TokenEvent:
         """Continue a request whose prompt KV (main and MTP layers) is in its reserved blocks.
 
-        `last_hidden` is the prefill worker's normed hidden state at the last prompt position: with the
-        first token it seeds MTP drafting. Returns the first token's output (it may already finish)."""
+        Returns the first token's event (it may already finish). Raises ``ValueError`` (the
+        reservation stays) when ``prefilled.mtp_hidden`` does not fit this model."""
+        hidden_size = self.model.config.hidden_size
+        if len(prefilled.mtp_hidden) != 4 * hidden_size:
+            raise ValueError(f"mtp_hidden: {len(prefilled.mtp_hidden)} bytes, expected float32 [{hidden_size}]")
+        last_hidden = torch.frombuffer(bytearray(prefilled.mtp_hidden), dtype=torch.float32).to(self.model.dtype)
         blocks = self.reserved.pop(request_id)
-        req = Request(request_id, list(prompt_ids), params, cache_salt=cache_salt or None)
-        req.stop_checker = StopChecker(params, self.eos_ids)
-        if self.tokenizer is not None:
-            req.detokenizer = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=True)
+        req = self._new_request(request_id, prompt_ids, params, cache_salt)
         req.block_ids = blocks
         req.num_computed = len(prompt_ids)
         req.mtp_synced = len(prompt_ids) - 1
-        req.num_cached_prompt = num_cached
+        req.num_cached_prompt = prefilled.num_cached_tokens
         self.requests[request_id] = req
         self.scheduler.adopt(req)
         self.kv.commit_full_blocks(req)
-        out = self._emit(req, [first_token], None)
+        out = self._emit(req, [prefilled.first_token], None, prefilled)
         if not req.is_finished and self.use_mtp and self.kv.ensure(req, req.num_computed + 1):
             self._draft([(req, req.num_computed - 1, last_hidden.reshape(1, -1), False)])
         return out
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
+
+    def load(self) -> EngineLoad:
+        return EngineLoad(
+            running=len(self.scheduler.running), waiting=self.scheduler.num_waiting, held=len(self.held),
+            reserved=len(self.reserved), free_blocks=self.pool.num_free, used_blocks=self.pool.num_used,
+            total_blocks=self.pool.num_blocks, evictions=self.pool.num_evictions,
+        )
+
+    @property
+    def cache_root(self) -> bytes:
+        """The prefix-cache root hash (empty: caching off); routers hash prompts with it."""
+        return self.kv.root_hash or b""
 
     # --- one step -------------------------------------------------------------------------------
 
@@ -312,39 +353,31 @@ class Engine:
         self.kv.trim(req, req.num_computed + 1)
         return tokens
 
-    def _emit(self, req: Request, tokens: list[int], logits: torch.Tensor | None) -> TokenEvent:
-        """Append tokens up to the first stop; finish the request when it is done."""
+    def _emit(self, req: Request, tokens: list[int], logits: torch.Tensor | None,
+              prefilled: PrefillOutput | None = None) -> TokenEvent:
+        """Append tokens up to the first stop; finish the request when it is done. The logprobs
+        come from ``logits``, or for a prefilled first token from ``prefilled``."""
         check = req.stop_checker.check_tokens(tokens) if tokens else None
         kept = tokens[: check.num_kept] if check else []
         if kept and req.first_token_time is None:
             req.first_token_time = time.monotonic()
-        logprobs, top_logprobs = self._logprobs(req, kept, logits)
+        if prefilled is not None and req.params.logprobs is not None and prefilled.first_logprob is not None:
+            logprobs = [prefilled.first_logprob]
+            top_logprobs = [list(prefilled.first_top_logprobs)] if req.params.logprobs else []
+        else:
+            logprobs, top_logprobs = self._logprobs(req, kept, logits)
         req.output_ids.extend(kept)
         req.output_logprobs.extend(logprobs)
         req.output_top_logprobs.extend(top_logprobs)
         self.stats.generated_tokens += len(kept)
-        text_delta = self._text(req, kept[: check.num_visible] if check else [])
+        visible = kept[: check.num_visible] if check else []
+        text = req.output_text.push(visible) if req.output_text is not None else ""
         reason = req.stop_checker.finish_reason
         if reason is not None:
             self._finish(req, reason)
-        return TokenEvent(req.request_id, kept, text_delta, logprobs, top_logprobs, reason,
-                          req.stop_checker.stop_reason if reason is not None else None, req.num_cached_prompt)
-
-    def _text(self, req: Request, visible: list[int]) -> str:
-        """New text safe to stream; stop strings end the request and cut the text before them."""
-        if req.detokenizer is None:
-            return ""
-        req.text += req.detokenizer.push(visible)
-        if req.stop_checker.finished:
-            req.text += req.detokenizer.finish()
-        end = len(req.text)
-        if req.params.stop:
-            result = req.stop_checker.check_text(req.text)
-            req.text = req.text[: result.text_end]
-            end = result.stream_end
-        delta = req.text[req.num_streamed_chars : end]
-        req.num_streamed_chars = max(req.num_streamed_chars, end)
-        return delta
+        stop_reason = req.stop_checker.stop_reason if reason is not None else None
+        return TokenEvent(req.request_id, kept, text, logprobs, top_logprobs, reason, stop_reason,
+                          req.num_cached_prompt)
 
     def _logprobs(
         self, req: Request, tokens: list[int], logits: torch.Tensor | None

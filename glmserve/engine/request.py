@@ -10,7 +10,7 @@ import torch
 
 from glmserve.core.generation import SamplingParams
 from glmserve.core.stop_checker import StopChecker
-from glmserve.text.detokenizer import IncrementalDetokenizer
+from glmserve.text.output_text import OutputText
 
 
 class RequestStatus(enum.Enum):
@@ -57,9 +57,7 @@ class Request:
     hold_blocks: bool = False  # prefill-only: keep the blocks after finishing, until released
     last_hidden: torch.Tensor | None = None  # normed hidden state of the last prompt token (MTP seed)
     stop_checker: StopChecker | None = None
-    detokenizer: IncrementalDetokenizer | None = None  # set when the engine produces text
-    text: str = ""  # visible text so far (stop strings cut it)
-    num_streamed_chars: int = 0
+    output_text: OutputText | None = None  # set when the engine has a tokenizer
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:

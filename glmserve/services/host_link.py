@@ -32,7 +32,7 @@ from glmserve.core.block_hash import block_hashes, reusable_blocks
 from glmserve.engine.host_offload import HostWrite
 from glmserve.kv.host_pool import write_stamp
 from glmserve.kv.transfer import KVTransferBackend, TransferError, TransferStamp
-from glmserve.services.engine_thread import EngineThread
+from glmserve.services.engine_host import EngineHost
 from glmserve.services.host_metrics import HostTierMetrics
 from glmserve.services.kvstore.client import AsyncKVStoreClient, HostAttachment, KVStoreError
 
@@ -80,7 +80,7 @@ class Loaded:
 
 
 class HostLink:
-    def __init__(self, settings: HostSettings, backend: KVTransferBackend, engine: EngineThread,
+    def __init__(self, settings: HostSettings, backend: KVTransferBackend, engine: EngineHost,
                  metrics: HostTierMetrics | None, *, rpc_timeout_s: float = 2.0) -> None:
         self.address, self.worker_id = settings.address, settings.worker_id
         self._backend, self._engine, self.metrics = backend, engine, metrics

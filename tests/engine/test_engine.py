@@ -144,7 +144,7 @@ def test_stop_strings_cut_the_text_and_end_the_request(model, oracle):
     while engine.has_unfinished():
         streamed += "".join(o.text for o in engine.step())
     assert req.finish_reason == "stop"
-    assert streamed == req.text == text[: text.index(stop)]
+    assert streamed == req.output_text.text == text[: text.index(stop)]
     _check_pool(engine)
 
 

@@ -25,7 +25,7 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def backend(tokenizer):
-    return ScriptedBackend(lambda _: tokenizer.encode("ok then"))
+    return ScriptedBackend(lambda _: tokenizer.encode("ok then"), tokenizer)
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from glmserve.core.generation import SamplingParams
 from glmserve.kv.transfer import TransferStamp
 from glmserve.services.decode.arrivals import TransferArrivals
 from glmserve.services.decode.prefill_client import PrefillPort
-from glmserve.services.engine_thread import EngineThread
+from glmserve.services.engine_host import EngineHost
 from glmserve.services.worker_metrics import WorkerMetrics
 
 if TYPE_CHECKING:
@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 class FlowContext:
     """What every flow of one worker shares (set up once the engine is loaded)."""
 
-    engine: EngineThread
+    engine: EngineHost
     prefill: PrefillPort
     arrivals: TransferArrivals
     settings: DecodeSettings

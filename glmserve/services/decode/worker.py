@@ -1,7 +1,7 @@
 """DecodeWorker: a request's whole life on the decode side, transport-free.
 
 The gRPC servicer is a thin adapter over ``generate`` / ``abort`` / ``health``. Per request
-(one asyncio task, `DecodeFlow`; the engine lives on an `EngineThread`):
+(one asyncio task, `DecodeFlow`; the engine lives on an `EngineHost`):
 
 1. reserve: ``engine.reserve(key, len(prompt) + 1)``, before the stream exists (out of blocks:
    `DecodeFull`, so the caller can try another decode worker);
@@ -9,7 +9,7 @@ The gRPC servicer is a thin adapter over ``generate`` / ``abort`` / ``health``. 
    the destination blocks covering the prompt; wait for its answer, then poll for the completion;
 3. admit: on the engine thread, check the answer's stamp equals the completion's, verify it
    (request id, generation, checksum over the destination blocks), then ``add_prefilled``;
-4. decode: the engine thread's step outputs are routed to the request until it finishes.
+4. decode: the request's stream on the `EngineHost` carries the engine's events until it finishes.
 
 The engine's request id is ``<request id>@<generation>``, so blocks kept for an old generation can
 never be confused with a newer one's.
@@ -38,7 +38,7 @@ from glmserve.services.decode.arrivals import TransferArrivals
 from glmserve.services.decode.flow import DecodeFlow
 from glmserve.services.decode.flow_context import FlowContext
 from glmserve.services.decode.prefill_client import PrefillPort
-from glmserve.services.engine_thread import EngineThread
+from glmserve.services.engine_host import EngineHost
 from glmserve.services.host_link import HostLink, HostSettings
 from glmserve.services.host_metrics import HostTierMetrics
 from glmserve.services.worker_metrics import TokenTimer, WorkerMetrics
@@ -100,12 +100,12 @@ class DecodeWorker:
         backend: KVTransferBackend,
         prefill: PrefillPort,
         settings: DecodeSettings = DecodeSettings(),
-        metrics: Callable[[EngineThread], WorkerMetrics] | None = None,
+        metrics: Callable[[EngineHost], WorkerMetrics] | None = None,
         host: HostSettings | None = None,
     ) -> None:
         """``host``: write finished requests' blocks (prompt and generated) through to the kvstore's
         host tier, and demote evicted ones there."""
-        self._engine = EngineThread(engine_factory, self._on_step, self._on_step_error, "decode-engine")
+        self._engine = EngineHost(engine_factory, "decode-engine")
         self.metrics = metrics(self._engine) if metrics is not None else None
         self.host_metrics = HostTierMetrics(self.metrics.registry) if self.metrics is not None else None
         self._host = HostLink(host, backend, self._engine, self.host_metrics) if host is not None else None
@@ -114,12 +114,11 @@ class DecodeWorker:
         self._settings = settings
         self._arrivals = TransferArrivals(self._on_stale)
         self._flows: dict[str, DecodeFlow] = {}  # by request id
-        self._by_key: dict[str, DecodeFlow] = {}  # by engine request id
         self._context: FlowContext | None = None
         self._closing = False
 
     @property
-    def engine(self) -> EngineThread:
+    def engine(self) -> EngineHost:
         return self._engine
 
     async def start(self) -> None:
@@ -169,7 +168,7 @@ class DecodeWorker:
         timer = TokenTimer(self.metrics) if self.metrics is not None else None
         flow = DecodeFlow(self._context, request_id, generation, list(prompt_ids), params,
                           prefill_target, timer, cache_salt)
-        self._flows[request_id], self._by_key[flow.key] = flow, flow
+        self._flows[request_id] = flow
         try:
             await flow.reserve()
         except OutOfBlocks as e:
@@ -193,7 +192,6 @@ class DecodeWorker:
 
     def _forget(self, flow: DecodeFlow) -> None:
         self._flows.pop(flow.request_id, None)
-        self._by_key.pop(flow.key, None)
 
     async def close(self) -> None:
         """Abort every request (streams end with "abort"; prefill workers are told), then stop."""
@@ -216,21 +214,3 @@ class DecodeWorker:
     def _on_stale(self, stamp: TransferStamp, why: str) -> None:
         if self.metrics is not None:
             self.metrics.transfer_stale.inc()
-
-    # --- engine thread hooks ----------------------------------------------------------------------
-
-    def _on_step(self, engine: Engine, events: list[TokenEvent]) -> None:
-        self._engine.post(self._route, events)
-
-    def _on_step_error(self, engine: Engine, error: BaseException) -> None:
-        keys = list(engine.requests)
-        for key in keys:
-            engine.abort(key)
-        message = f"decode engine step failed: {error!r}"
-        self._engine.post(self._route, [TokenEvent.ended(key, "error", message) for key in keys])
-
-    def _route(self, events: list[TokenEvent]) -> None:
-        for event in events:
-            flow = self._by_key.get(event.request_id)
-            if flow is not None:
-                flow.outputs.put_nowait(event)

@@ -15,6 +15,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
@@ -35,8 +36,8 @@ from glmserve.services.router.errors import (
     unauthorized,
 )
 from glmserve.services.router.metrics import RouterMetrics
-from glmserve.services.router.output_processor import OutputProcessor
 from glmserve.services.router.request_hints import request_hints
+from glmserve.text.special_tokens import TOOL_MARKUP
 from glmserve.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -116,19 +117,18 @@ def create_app(
         param: str,
         tools: list[dict[str, Any]] | None,
         hints: RequestHints,
-        whole: Callable[[serving.Generation, serving.Collected], dict[str, Any]],
-        streamed: Callable[[serving.Generation, OutputProcessor], AsyncIterator[str]],
+        whole: Callable[[serving.Generation, serving.Output], dict[str, Any]],
+        streamed: Callable[[serving.Generation], AsyncIterator[str]],
     ) -> Response:
         params = options.sampling_params(len(prompt_ids), max_context, param)
-        gen = serving.Generation(backend, metrics, rid, prompt_ids, params, request.receive, arrival, hints,
-                                 request.url.path)
-        processor = OutputProcessor(tokenizer, params, keep_tool_markup=tools is not None)
+        if tools is not None:  # the tool-call parser reads the markup in the text
+            params = replace(params, visible_special_tokens=TOOL_MARKUP)
+        gen = serving.Generation(backend, metrics, rid, prompt_ids, params, request.receive, arrival,
+                                 tokenizer, hints, request.url.path)
         if options.stream:
-            return StreamingResponse(
-                streamed(gen, processor), media_type="text/event-stream", headers=_SSE_HEADERS
-            )
+            return StreamingResponse(streamed(gen), media_type="text/event-stream", headers=_SSE_HEADERS)
         try:
-            collected = await serving.collect(gen, processor)
+            collected = await serving.collect(gen)
         except APIError as err:  # counted by the tracker already
             return JSONResponse(err.to_dict(), status_code=err.status, headers=err.headers)
         if collected.finish_reason is None:
@@ -158,9 +158,7 @@ def create_app(
             req.tools,
             hints,
             lambda g, c: serving.chat_response(g, c, req.tools, rid, created, model_name),
-            lambda g, p: serving.chat_stream(
-                g, p, req.tools, req.options.include_usage, rid, created, model_name
-            ),
+            lambda g: serving.chat_stream(g, req.tools, req.options.include_usage, rid, created, model_name),
         )
 
     @app.post("/v1/completions", dependencies=[Depends(authorize)])
@@ -186,7 +184,7 @@ def create_app(
             None,
             hints,
             lambda g, c: serving.completion_response(g, c, rid, created, model_name),
-            lambda g, p: serving.completion_stream(g, p, req.options.include_usage, rid, created, model_name),
+            lambda g: serving.completion_stream(g, req.options.include_usage, rid, created, model_name),
         )
 
     @app.get("/v1/models", dependencies=[Depends(authorize)])

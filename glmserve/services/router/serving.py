@@ -1,9 +1,11 @@
 """Serving one accepted request: drive the backend stream, watch the client, keep the metrics, and
 shape the output as a whole OpenAI response or as SSE chunks.
 
-Cancellation: a watcher task reads the ASGI `receive` channel; on `http.disconnect` it aborts the
-request in the backend at once, even while no token is due (a long prefill). A stream closed any
-other way (the router stopping at a stop string, cancellation, an error) aborts in `finally`.
+The backend's events carry the text (stop strings already applied where the engine runs); here it
+is only formatted, and parsed for tool calls. Cancellation: a watcher task reads the ASGI
+`receive` channel; on `http.disconnect` it aborts the request in the backend at once, even while
+no token is due (a long prefill). A stream closed any other way (cancellation, an error) aborts
+in `finally`.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
@@ -25,7 +27,8 @@ from glmserve.services.router.backend import (
 )
 from glmserve.services.router.errors import APIError, internal_error, service_unavailable
 from glmserve.services.router.metrics import RouterMetrics
-from glmserve.services.router.output_processor import OutputProcessor, TokenLogprob
+from glmserve.services.router.token_logprobs import TokenLogprob, token_logprobs
+from glmserve.text.tokenizer import Tokenizer
 from glmserve.text.tool_calls import ParsedOutput, ToolCallStreamParser, parse_tool_calls
 
 Receive = Callable[[], Awaitable[dict[str, Any]]]
@@ -43,14 +46,14 @@ class Generation:
         params: SamplingParams,
         receive: Receive,
         arrival: float,
+        tokenizer: Tokenizer,
         hints: RequestHints | None = None,
         path: str = "",
     ):
-        self.hints, self.path = hints, path
+        self.hints, self.tokenizer, self.path = hints, tokenizer, path
         self.backend, self.metrics, self.request_id = backend, metrics, request_id
         self.prompt_ids, self.params, self._receive, self.arrival = prompt_ids, params, receive, arrival
         self.disconnected = False
-        self.stopped_by_router = False  # set before closing early on purpose (a stop string matched)
 
     async def _watch(self) -> None:
         try:
@@ -94,29 +97,34 @@ class Generation:
             if not finished:
                 with anyio.CancelScope(shield=True):  # must reach the backend even when cancelled
                     await self.backend.abort(self.request_id)
-            ok = finished or self.stopped_by_router
-            tracker.finish(status or (200 if ok and not self.disconnected else 499))
+            tracker.finish(status or (200 if finished and not self.disconnected else 499))
 
 
 @dataclass
-class Collected:
-    processor: OutputProcessor
-    logprobs: list[TokenLogprob]
-    finish_reason: str | None  # None: the client went away
+class Output:
+    """What a request's events added up to so far."""
+
+    text: str = ""
+    num_generated: int = 0  # ids the backend generated (usage counts these)
+    num_cached_tokens: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None  # None: not finished (or the client went away)
+
+    def add(self, event: TokenEvent, logprobs: list[TokenLogprob]) -> None:
+        self.text += event.text
+        self.num_generated += len(event.token_ids)
+        self.num_cached_tokens = max(self.num_cached_tokens, event.num_cached_tokens)
+        self.logprobs += logprobs
+        self.finish_reason = event.finish_reason
 
 
-async def collect(gen: Generation, processor: OutputProcessor) -> Collected:
+async def collect(gen: Generation) -> Output:
     """Run a request to its end, for a non-streaming answer."""
-    logprobs: list[TokenLogprob] = []
+    out = Output()
     async with aclosing(gen.events()) as events:
         async for event in events:
-            logprobs += processor.push(event).logprobs
-            gen.stopped_by_router = processor.stopped_by_text
-            if event.finished or processor.stopped_by_text:
-                return Collected(
-                    processor, logprobs, "stop" if processor.stopped_by_text else event.finish_reason
-                )
-    return Collected(processor, logprobs, None)
+            out.add(event, token_logprobs(gen.tokenizer, event))
+    return out
 
 
 def _finish_reason(reason: str, has_calls: bool) -> str:
@@ -124,11 +132,11 @@ def _finish_reason(reason: str, has_calls: bool) -> str:
 
 
 def chat_response(
-    gen: Generation, out: Collected, tools: list[dict[str, Any]] | None, rid: str, created: int, model: str
+    gen: Generation, out: Output, tools: list[dict[str, Any]] | None, rid: str, created: int, model: str
 ) -> dict[str, Any]:
-    parsed = parse_tool_calls(out.processor.text, tools) if tools else ParsedOutput(out.processor.text)
+    parsed = parse_tool_calls(out.text, tools) if tools else ParsedOutput(out.text)
     logprobs = resp.chat_logprobs(out.logprobs) if gen.params.logprobs is not None else None
-    usage = resp.usage(len(gen.prompt_ids), out.processor.num_generated, out.processor.num_cached_tokens)
+    usage = resp.usage(len(gen.prompt_ids), out.num_generated, out.num_cached_tokens)
     content = parsed.content if parsed.content or not parsed.tool_calls else None
     return resp.chat_completion(
         rid,
@@ -142,31 +150,23 @@ def chat_response(
     )
 
 
-def completion_response(
-    gen: Generation, out: Collected, rid: str, created: int, model: str
-) -> dict[str, Any]:
+def completion_response(gen: Generation, out: Output, rid: str, created: int, model: str) -> dict[str, Any]:
     logprobs = resp.completion_logprobs(out.logprobs, 0) if gen.params.logprobs is not None else None
-    usage = resp.usage(len(gen.prompt_ids), out.processor.num_generated, out.processor.num_cached_tokens)
-    return resp.completion(rid, created, model, out.processor.text, out.finish_reason, logprobs, usage)
+    usage = resp.usage(len(gen.prompt_ids), out.num_generated, out.num_cached_tokens)
+    return resp.completion(rid, created, model, out.text, out.finish_reason, logprobs, usage)
 
 
-async def _stream_deltas(
-    gen: Generation, processor: OutputProcessor
-) -> AsyncIterator[tuple[str, list, str | None]]:
+async def _stream_deltas(gen: Generation, out: Output) -> AsyncIterator[tuple[str, list, str | None]]:
     """(text, logprobs, finish_reason) per backend event; finish_reason set on the last one."""
     async with aclosing(gen.events()) as events:
         async for event in events:
-            delta = processor.push(event)
-            gen.stopped_by_router = processor.stopped_by_text
-            if processor.stopped_by_text:
-                yield delta.text, delta.logprobs, "stop"
-                return
-            yield delta.text, delta.logprobs, event.finish_reason if event.finished else None
+            logprobs = token_logprobs(gen.tokenizer, event)
+            out.add(event, logprobs)
+            yield event.text, logprobs, event.finish_reason
 
 
 async def chat_stream(
     gen: Generation,
-    processor: OutputProcessor,
     tools: list[dict[str, Any]] | None,
     include_usage: bool,
     rid: str,
@@ -175,10 +175,10 @@ async def chat_stream(
 ) -> AsyncIterator[str]:
     """SSE lines of a streamed chat completion, ending `data: [DONE]` (or an error event)."""
     parser = ToolCallStreamParser(tools) if tools else None
-    has_calls, finish = False, None
+    has_calls, finish, out = False, None, Output()
     yield resp.sse(resp.chat_chunk(rid, created, model, {"role": "assistant", "content": ""}))
     try:
-        async with aclosing(_stream_deltas(gen, processor)) as deltas:
+        async with aclosing(_stream_deltas(gen, out)) as deltas:
             async for text, logprobs, finish in deltas:
                 content, calls = text, []
                 if parser is not None:  # tool-call markup becomes `tool_calls` once a call closes
@@ -200,18 +200,18 @@ async def chat_stream(
         return  # the client went away
     yield resp.sse(resp.chat_chunk(rid, created, model, {}, _finish_reason(finish, has_calls)))
     if include_usage:
-        usage = resp.usage(len(gen.prompt_ids), processor.num_generated, processor.num_cached_tokens)
+        usage = resp.usage(len(gen.prompt_ids), out.num_generated, out.num_cached_tokens)
         yield resp.sse(resp.usage_chunk(rid, created, model, "chat.completion.chunk", usage))
     yield resp.SSE_DONE
 
 
 async def completion_stream(
-    gen: Generation, processor: OutputProcessor, include_usage: bool, rid: str, created: int, model: str
+    gen: Generation, include_usage: bool, rid: str, created: int, model: str
 ) -> AsyncIterator[str]:
     """SSE lines of a streamed legacy completion."""
-    finish, offset = None, 0
+    finish, offset, out = None, 0, Output()
     try:
-        async with aclosing(_stream_deltas(gen, processor)) as deltas:
+        async with aclosing(_stream_deltas(gen, out)) as deltas:
             async for text, logprobs, finish in deltas:
                 if text or logprobs or finish:
                     lp = (
@@ -228,6 +228,6 @@ async def completion_stream(
     if finish is None:
         return
     if include_usage:
-        usage = resp.usage(len(gen.prompt_ids), processor.num_generated, processor.num_cached_tokens)
+        usage = resp.usage(len(gen.prompt_ids), out.num_generated, out.num_cached_tokens)
         yield resp.sse(resp.usage_chunk(rid, created, model, "text_completion", usage))
     yield resp.SSE_DONE
