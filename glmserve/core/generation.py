@@ -124,6 +124,21 @@ class SamplingParams:
         return self.top_k >= 1
 
 
+def check_prompt(prompt_ids: list[int], params: SamplingParams, vocab_size: int, max_positions: int) -> None:
+    """Raise ``ValueError("prompt_ids: ...")`` unless the prompt can run: at least one token, every
+    id in the vocabulary, and prompt plus ``max_tokens`` within the model's positions. The one check
+    every entry point (engine, decode worker) runs; the router answers the same cases earlier with
+    its OpenAI errors."""
+    if not prompt_ids:
+        raise ValueError("prompt_ids: a prompt needs at least one token")
+    bad = [t for t in prompt_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"prompt_ids: token ids out of range [0, {vocab_size}): {bad[:5]}")
+    if len(prompt_ids) + params.max_tokens > max_positions:
+        raise ValueError(f"prompt_ids: {len(prompt_ids)} tokens plus max_tokens {params.max_tokens} "
+                         f"exceed the model's {max_positions} positions")
+
+
 FinishReason = Literal["stop", "length", "abort", "error"]
 FINISH_REASONS: frozenset[str] = frozenset({"stop", "length", "abort", "error"})
 

@@ -43,3 +43,13 @@ class EngineLoad:
     used_blocks: int  # with an owner
     total_blocks: int
     evictions: int = 0  # cached blocks evicted so far (a counter)
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    """What requests must fit (``Engine.limits()``)."""
+
+    vocab_size: int
+    max_positions: int  # prompt + max_tokens at most
+    block_size: int
+    hidden_size: int  # of the MTP seed a prefill hands over

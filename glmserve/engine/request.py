@@ -23,6 +23,9 @@ class RequestStatus(enum.Enum):
 class Request:
     """Token bookkeeping, in positions of the sequence prompt + output.
 
+    - `token_ids`: prompt + output as one list, grown in place by `append_output` (never rebuilt:
+      a step's bookkeeping costs the same for a 100-token and a 100K-token prompt).
+
     - `num_computed`: tokens whose main-model KV is in the request's blocks (positions 0..n-1).
     - In decode, the last token of `token_ids` is pending: sampled, not yet run through the model.
     - `mtp_synced`: positions whose MTP-layer KV was computed from the main model's hidden states.
@@ -38,6 +41,7 @@ class Request:
     arrival: float = field(default_factory=time.monotonic)
     status: RequestStatus = RequestStatus.WAITING
     output_ids: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(init=False, repr=False)  # prompt + output (see the class docstring)
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # of the leading full blocks, in order
     num_computed: int = 0
@@ -62,16 +66,17 @@ class Request:
     def __post_init__(self) -> None:
         if not self.prompt_ids:
             raise ValueError("prompt_ids: a request needs at least one prompt token")
+        self.token_ids = list(self.prompt_ids) + self.output_ids
         if self.params.seed is not None:
             self.generator = torch.Generator().manual_seed(self.params.seed)
 
-    @property
-    def token_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
+    def append_output(self, token_ids: list[int]) -> None:
+        self.output_ids.extend(token_ids)
+        self.token_ids.extend(token_ids)
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+        return len(self.token_ids)
 
     @property
     def in_prefill(self) -> bool:

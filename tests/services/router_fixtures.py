@@ -4,13 +4,10 @@ backend that replays fixed token ids (for paths the tiny model cannot be steered
 from __future__ import annotations
 
 import asyncio
-import os
-import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
-from pathlib import Path
 
 import httpx
 import uvicorn
@@ -20,18 +17,7 @@ from glmserve.core.stop_checker import StopChecker
 from glmserve.services.router.backend import GenerationBackend, RequestHints
 from glmserve.text.output_text import OutputText
 from glmserve.text.tokenizer import Tokenizer
-
-# The bundled model; GLMSERVE_TEST_MODEL_DIR points the tests at another dir of the same format.
-MODEL_DIR = Path(
-    os.environ.get("GLMSERVE_TEST_MODEL_DIR", Path(__file__).resolve().parents[2] / "models" / "glm52-tiny")
-)
-HAS_MODEL = (MODEL_DIR / "model.safetensors").exists()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.shared import HAS_MODEL, MODEL_DIR, free_port  # noqa: F401 - re-exported to the tests
 
 
 @contextmanager

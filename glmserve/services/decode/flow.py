@@ -116,7 +116,7 @@ class DecodeFlow:
         except asyncio.CancelledError:
             reserved.add_done_callback(self._release_if_reserved)
             raise
-        self._dest = blocks[: -(-n // self._ctx.block_size)]
+        self._dest = blocks[: -(-n // self._ctx.limits.block_size)]
 
     def _release_if_reserved(self, reserved: asyncio.Future[list[int]]) -> None:
         if not reserved.cancelled() and reserved.exception() is None:
@@ -222,7 +222,7 @@ def _admit(engine: Engine, flow: DecodeFlow, prompt: list[int], params: Sampling
         if checksum and stamp.checksum is None:
             raise StampError("a checksum was asked for but the transfer carries none")
         verify_stamp(stamp, request_id=flow.request_id, generation=flow.generation,
-                     buffer=engine.cache.buffer, block_ids=dest)
+                     buffer=engine.kv_buffer, block_ids=dest)
         return engine.add_prefilled(key, prompt, params, answer.output, cache_salt=flow.cache_salt)
     except (StampError, ValueError):
         engine.release(key)

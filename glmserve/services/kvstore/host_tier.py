@@ -31,6 +31,7 @@ from glmserve.core.errors import GlmServeError
 from glmserve.kv.block_index import BlockIndex, IndexUnavailable, Tier
 from glmserve.kv.host_pool import HostBlockPool, WriteLease, write_stamp
 from glmserve.kv.transfer import KVTransferBackend, TransferDrainError, TransferHandle, TransferStamp
+from glmserve.kv.transfer.timeouts import AGREED
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +68,7 @@ class LoadResult:
 
 class HostTier:
     def __init__(self, capacity_bytes: int, backend: KVTransferBackend, index: BlockIndex | None = None,
-                 *, holder_id: str = "host", lease_timeout_s: float = 120.0,
+                 *, holder_id: str = "host", lease_timeout_s: float = AGREED.lease_s,
                  completion_timeout_s: float = 5.0, clock: Callable[[], float] = time.monotonic,
                  check_integrity: bool = False, fault_load_delay_s: float = 0.0) -> None:
         """``check_integrity``: check the pool after every operation (tests). ``fault_load_delay_s``:

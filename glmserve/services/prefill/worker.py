@@ -5,11 +5,11 @@ One job per (request id, generation), each its own asyncio task (a caller that g
 the job, it never cuts it short):
 
 1. connect to the decode worker's transfer target (cached by the backend);
-2. load (with a host tier, `HostLink`): prompt blocks found only on the kvstore's host tier are
+2. load (with a host tier, `HostTierLink`): prompt blocks found only on the kvstore's host tier are
    loaded into this worker's blocks, so the engine finds them as prefix-cache hits;
    compute: ``engine.add_request(..., max_tokens=1, hold_blocks=True)``; the request's stream
    ends with what the engine kept (`HeldPrefill`: the blocks, the first token, the MTP seed);
-3. transfer: one ``backend.write`` of the prompt's blocks into ``dest_block_ids`` with the stamp
+3. transfer: one ``transfer.write`` of the prompt's blocks into ``dest_block_ids`` with the stamp
    (request id, generation, checksum when asked), awaited until final;
 4. release the source blocks (to the prefix cache) once the write is final, record the outcome
    in `PrefillHistory`, and answer with the first token, the MTP seed and the stamp.
@@ -35,8 +35,8 @@ from typing import TYPE_CHECKING
 from glmserve.core.generation import TokenEvent
 from glmserve.kv.transfer import KVTransferBackend, TransferError, TransferHandle, TransferStamp
 from glmserve.services.engine_host import EngineHost
-from glmserve.services.host_link import HostLink, HostSettings, LoadAborted, Loaded
 from glmserve.services.host_metrics import HostTierMetrics
+from glmserve.services.host_tier_link import HostTierLink, HostTierSettings, LoadAborted, Loaded
 from glmserve.services.prefill.history import DEFAULT_TTL_S, PrefillHistory
 from glmserve.services.prefill.job import (
     AbortOutcome,
@@ -73,18 +73,18 @@ class PrefillWorker:
     def __init__(
         self,
         engine_factory: Callable[[], Engine],
-        backend: KVTransferBackend,
+        transfer: KVTransferBackend,
         metrics: Callable[[EngineHost], WorkerMetrics] | None = None,
         history_ttl_s: float = DEFAULT_TTL_S,
-        host: HostSettings | None = None,
+        host_tier: HostTierSettings | None = None,
     ) -> None:
         """``metrics``: builds the worker's metrics from its engine thread (for snapshot gauges).
-        ``host``: use the kvstore's host tier (load-back before prefill, write-through, demotion)."""
+        ``host_tier``: use the kvstore's host tier (load-back before prefill, write-through, demotion)."""
         self._engine = EngineHost(engine_factory, "prefill-engine")
         self.metrics = metrics(self._engine) if metrics is not None else None
         self.host_metrics = HostTierMetrics(self.metrics.registry) if self.metrics is not None else None
-        self._host = HostLink(host, backend, self._engine, self.host_metrics) if host is not None else None
-        self._backend = backend
+        self._host_tier = HostTierLink(host_tier, transfer, self._engine, self.host_metrics) if host_tier else None
+        self._transfer = transfer
         self._history = PrefillHistory(history_ttl_s)
         self._jobs: dict[tuple[str, int], _Job] = {}
         self._by_key: dict[str, _Job] = {}
@@ -100,10 +100,10 @@ class PrefillWorker:
         """Load the engine and register its KV buffer with the transfer backend."""
         self._engine.start()
         await self._engine.loaded()
-        self._buffer = await self._engine.submit(lambda e: e.cache.buffer)
-        self._backend.register(self._buffer)
-        if self._host is not None:
-            await self._host.start(self._buffer)
+        self._buffer = await self._engine.submit(lambda e: e.kv_buffer)
+        self._transfer.register(self._buffer)
+        if self._host_tier is not None:
+            await self._host_tier.start(self._buffer)
 
     def health(self) -> WorkerHealth:
         s = self._engine.snapshot
@@ -144,8 +144,8 @@ class PrefillWorker:
             raise PrefillFailed("the prefill worker is shutting down", drained=True)
         if not spec.prompt_ids:
             raise ValueError("prompt_ids: a prompt needs at least one token")
-        if spec.transfer_kind != self._backend.kind:
-            raise ValueError(f"transfer_kind: this worker transfers with {self._backend.kind!r}, "
+        if spec.transfer_kind != self._transfer.kind:
+            raise ValueError(f"transfer_kind: this worker transfers with {self._transfer.kind!r}, "
                              f"the decode worker asked for {spec.transfer_kind!r}")
         block_size = self._engine.snapshot.block_size
         need = -(-len(spec.prompt_ids) // block_size)
@@ -157,7 +157,7 @@ class PrefillWorker:
         spec, drained = job.spec, True
         try:
             try:
-                peer = await asyncio.to_thread(self._backend.connect, spec.decode_target)
+                peer = await asyncio.to_thread(self._transfer.connect, spec.decode_target)
             except (TransferError, ValueError, OSError) as e:
                 raise PrefillFailed(f"cannot connect to the decode worker's KV buffer: {e}", drained=True) from e
             self._raise_if_aborted(job)
@@ -183,7 +183,7 @@ class PrefillWorker:
             try:
                 self._raise_if_aborted(job)
                 job.stage = "transfer"
-                return await self._transfer(job, peer, held)
+                return await self._send_kv(job, peer, held)
             finally:
                 drained = job.handle is None or job.handle.drained
                 self._engine.submit_nowait(lambda e: e.release(job.key))  # the write is final here
@@ -212,7 +212,7 @@ class PrefillWorker:
             raise PrefillFailed(final.error or "the engine kept no prefill", drained=True)
         return stream.outcome
 
-    async def _transfer(self, job: _Job, peer: str, held: HeldPrefill) -> PrefillResult:
+    async def _send_kv(self, job: _Job, peer: str, held: HeldPrefill) -> PrefillResult:
         spec = job.spec
         src, dst = held.block_ids[: len(spec.dest_block_ids)], list(spec.dest_block_ids)
         stamp = TransferStamp(spec.request_id, spec.generation)
@@ -220,7 +220,7 @@ class PrefillWorker:
             stamp = await asyncio.to_thread(stamp.with_checksum, self._buffer, src)
             self._raise_if_aborted(job)
         try:
-            job.handle = handle = self._backend.write(peer, stamp, src, dst)
+            job.handle = handle = self._transfer.write(peer, stamp, src, dst)
         except TransferError as e:  # the write did not start: nothing was sent
             raise PrefillFailed(f"KV transfer could not start: {e}", drained=True) from e
         await _final(handle)
@@ -241,17 +241,17 @@ class PrefillWorker:
         """Load-back of the prompt's host-only blocks; None when there is none (or it failed: the
         prompt is then computed). Raises `PrefillAborted` when the job was aborted meanwhile, with
         everything the load held given back."""
-        if self._host is None or not self._host.ready:
+        if self._host_tier is None or not self._host_tier.ready:
             return None
         job.stage = "load"
         try:
-            loaded = await self._host.load(job.key, job.spec.generation, job.spec.prompt_ids,
+            loaded = await self._host_tier.load(job.key, job.spec.generation, job.spec.prompt_ids,
                                            salt=job.spec.cache_salt or None)
         except LoadAborted as e:
             log.info("%s: no host blocks: %s", job.key, e)
             loaded = None
         if loaded is not None and job.abort_reason is not None:
-            self._host.release(job.key)  # the load finished (drained) before the abort reached it
+            self._host_tier.release(job.key)  # the load finished (drained) before the abort reached it
         self._raise_if_aborted(job)
         return loaded
 
@@ -274,8 +274,8 @@ class PrefillWorker:
             if self.metrics is not None:
                 self.metrics.abort(job.stage, label)
             if job.handle is not None:
-                _request_cancel(self._backend, job.handle)
-            elif job.stage == "load" and self._host is not None:
+                _request_cancel(self._transfer, job.handle)
+            elif job.stage == "load" and self._host_tier is not None:
                 self._cancel_load_in_background(job)
             elif job.stage == "compute":
                 self._engine.abort(job.key, reason)  # frees the blocks when it runs; ends the stream
@@ -284,8 +284,8 @@ class PrefillWorker:
         return AbortOutcome(found=True, drained=job.drained)
 
     def _cancel_load_in_background(self, job: _Job) -> None:
-        assert self._host is not None
-        task = asyncio.create_task(self._host.cancel(job.key, job.spec.generation))
+        assert self._host_tier is not None
+        task = asyncio.create_task(self._host_tier.cancel(job.key, job.spec.generation))
         self._background.add(task)  # a reference, so the task is not collected mid-way
         task.add_done_callback(self._background.discard)
 
@@ -295,13 +295,13 @@ class PrefillWorker:
         task.add_done_callback(self._background.discard)
 
     async def close(self) -> None:
-        """Abort every job (drained or failed), then stop the engine and the backend."""
+        """Abort every job (drained or failed), then stop the engine and the transfer backend."""
         self._closing = True
         await asyncio.gather(*(self.abort(r, g, "shutdown", "shutdown") for r, g in list(self._jobs)))
-        if self._host is not None:
-            await self._host.close()
+        if self._host_tier is not None:
+            await self._host_tier.close()
         await self._engine.stop()
-        self._backend.close()
+        self._transfer.close()
 
 
 def _held_prefill(engine: Engine, final: TokenEvent) -> HeldPrefill | None:
@@ -309,12 +309,12 @@ def _held_prefill(engine: Engine, final: TokenEvent) -> HeldPrefill | None:
     return engine.held_prefill(final.request_id) if final.finish_reason in ("stop", "length") else None
 
 
-def _request_cancel(backend: KVTransferBackend, handle: TransferHandle) -> None:
+def _request_cancel(transfer: KVTransferBackend, handle: TransferHandle) -> None:
     """Ask the write to stop without blocking the loop; the job sees it end through ``_final``."""
 
     def cancel() -> None:
         try:
-            backend.cancel(handle)
+            transfer.cancel(handle)
         except TransferError as e:  # not drained: the handle says so, the job reports it
             log.warning("cancel of %s: %s", handle, e)
 
