@@ -105,8 +105,9 @@ CACHE = [
 SPEC = [
     Panel("Draft acceptance (accepted / drafted)", ((
         f"sum by (instance) (rate(glmserve_spec_accepted_tokens_total{{{M}}}[{RI}]))"
-        f" / sum by (instance) (rate(glmserve_spec_draft_tokens_total{{{M}}}[{RI}]))", "{{instance}}"),),
-        "percentunit", description="Counted on drafting steps only; a collapse signals corrupted KV."),
+        f" / (sum by (instance) (rate(glmserve_spec_draft_tokens_total{{{M}}}[{RI}])) > 0)", "{{instance}}"),),
+        "percentunit", description="Counted on drafting steps only (workers that drafted nothing are left out); "
+                                   "a collapse signals corrupted KV."),
     Panel("Mean tokens per verify step", ((
         f"sum(rate(glmserve_spec_acceptance_length_sum{{{M}}}[{RI}]))"
         f" / sum(rate(glmserve_spec_acceptance_length_count{{{M}}}[{RI}]))", "tokens / step"),), "short"),
