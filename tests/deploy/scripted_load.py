@@ -19,9 +19,14 @@ WORDS = "alpha beta gamma delta epsilon zeta theta kappa lambda sigma omega vect
 @dataclass
 class Tally:
     outcomes: Counter = field(default_factory=Counter)
+    errors: list[str] = field(default_factory=list)  # the error answers' messages, in order
 
     def add(self, kind: str) -> None:
         self.outcomes[kind] += 1
+
+    def error(self, e: openai.APIError) -> None:
+        self.add(f"error:{type(e).__name__}")
+        self.errors.append(f"{type(e).__name__}: {e}"[:200])
 
 
 def client_for(url: str) -> openai.AsyncOpenAI:
@@ -49,7 +54,7 @@ async def _chat(client: openai.AsyncOpenAI, model: str, content: str, max_tokens
                 finish = chunk.choices[0].finish_reason
         tally.add(f"chat-stream:{finish}")
     except openai.APIError as e:
-        tally.add(f"error:{type(e).__name__}")
+        tally.error(e)
 
 
 async def _completion(client: openai.AsyncOpenAI, model: str, prompt: str, max_tokens: int, stream: bool,
@@ -64,21 +69,22 @@ async def _completion(client: openai.AsyncOpenAI, model: str, prompt: str, max_t
             pass
         tally.add("completion-stream:done")
     except openai.APIError as e:
-        tally.add(f"error:{type(e).__name__}")
+        tally.error(e)
 
 
 async def abandoned_stream(client: openai.AsyncOpenAI, model: str, content: str, tally: Tally) -> None:
-    """A stream the client closes after its first chunk: the router answers 499 and aborts it."""
+    """A stream the client closes after its first chunk: the router answers 499 and aborts it (its
+    2000 tokens outlast any delay in noticing that the client left)."""
     try:
         stream = await client.chat.completions.create(
-            model=model, messages=[{"role": "user", "content": content}], max_tokens=400, temperature=0,
+            model=model, messages=[{"role": "user", "content": content}], max_tokens=2000, temperature=0,
             stream=True, extra_body={"ignore_eos": True})
         async for _ in stream:
             break
         await stream.close()
         tally.add("abandoned")
     except openai.APIError as e:
-        tally.add(f"error:{type(e).__name__}")
+        tally.error(e)
 
 
 async def bad_request(client: openai.AsyncOpenAI, model: str, tally: Tally) -> None:
@@ -112,3 +118,19 @@ async def long_requests(url: str, model: str, count: int, words: int, tally: Tal
     async with client_for(url) as client:
         await asyncio.gather(*(_chat(client, model, long_prompt(1000 + i, words), 8, i % 2 == 0, tally)
                                for i in range(count)))
+
+
+async def until_served(url: str, model: str, tally: Tally, timeout_s: float) -> None:
+    """One-token completions until one is answered (a router reaches a restarted worker only after
+    its channel's reconnect backoff); fails after ``timeout_s``."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    async with client_for(url) as client:
+        while True:
+            try:
+                await client.completions.create(model=model, prompt="ping", max_tokens=1)
+                tally.add("probe")
+                return
+            except openai.APIError as e:
+                tally.error(e)
+            assert asyncio.get_running_loop().time() < deadline, f"not served within {timeout_s} s: {tally.errors[-1]}"
+            await asyncio.sleep(0.5)
