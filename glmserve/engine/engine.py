@@ -15,10 +15,9 @@ from pathlib import Path
 
 import torch
 
-from glmserve.core.block_hash import CacheKeyRoot
 from glmserve.engine.engine_stats import EngineStats
 from glmserve.engine.host_offload import HostOffload, HostWrite
-from glmserve.engine.kv_cache_manager import KVCacheManager
+from glmserve.engine.kv_cache_manager import KVCacheManager, prefix_cache_root
 from glmserve.engine.model_runner import ModelRunner
 from glmserve.engine.rejection_sampler import verify
 from glmserve.engine.request import Request, RequestStatus
@@ -29,7 +28,7 @@ from glmserve.engine.spec_policy import SpecPolicy
 from glmserve.engine.stop_checker import StopChecker
 from glmserve.kv.block_pool import BlockPool
 from glmserve.model.glm_model import GlmForCausalLM
-from glmserve.model.kv_layout import LAYOUT_VERSION, KVLayout
+from glmserve.model.kv_layout import KVLayout
 from glmserve.model.loader import load_model
 from glmserve.model.mtp_draft import extend_shared_topk
 from glmserve.model.paged_cache import PagedKVCache
@@ -101,12 +100,7 @@ class Engine:
         self.cache = PagedKVCache(layout, num_blocks + config.host_staging_blocks)
         self.pool = BlockPool(num_blocks, on_evict=self._evicted)
         self.host: HostOffload | None = None
-        root = None
-        if config.prefix_caching:
-            # Without a tokenizer digest the engine only ever sees token ids: a fixed tag says so.
-            key = CacheKeyRoot(revision or "unversioned", tokenizer_digest or "token-ids-only",
-                               str(model.dtype), config.block_size, LAYOUT_VERSION)
-            root = key.root_hash()
+        root = prefix_cache_root(model.dtype, config, revision, tokenizer_digest) if config.prefix_caching else None
         self.kv = KVCacheManager(self.pool, config.block_size, root)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_step_tokens), self.kv)
         self.runner = ModelRunner(model, self.cache)

@@ -82,8 +82,12 @@ class EngineThread:
         on_step: StepHook | None = None,
         on_step_error: ErrorHook | None = None,
         name: str = "engine",
+        snapshot_of: Callable[[Any], EngineSnapshot] = EngineSnapshot.of,
     ) -> None:
+        """``snapshot_of``: how to read the counters of what ``factory`` builds (another engine
+        kind, e.g. a LayerSplit stage, brings its own)."""
         self._factory = factory
+        self._snapshot_of = snapshot_of
         self._on_step = on_step
         self._on_step_error = on_step_error
         self._name = name
@@ -144,12 +148,12 @@ class EngineThread:
             log.exception("engine failed to load")
             self.post(_settle, self._loaded, None, e)
             return
-        self.snapshot = EngineSnapshot.of(engine)
+        self.snapshot = self._snapshot_of(engine)
         self.post(_settle, self._loaded, None, None)
         while self._drain(engine, block=not engine.has_unfinished()):
             if engine.has_unfinished():
                 self._step(engine)
-            self.snapshot = EngineSnapshot.of(engine)
+            self.snapshot = self._snapshot_of(engine)
 
     def _drain(self, engine: Engine, block: bool) -> bool:
         """Run queued commands (waiting for one when ``block``); False once told to stop."""

@@ -35,6 +35,7 @@ from glmserve.kv.transfer import KVTransferBackend, TransferError, TransferStamp
 from glmserve.services.engine_thread import EngineThread
 from glmserve.services.host_metrics import HostTierMetrics
 from glmserve.services.kvstore.client import AsyncKVStoreClient, HostAttachment, KVStoreError
+from glmserve.services.stamp_waiter import StampWaiter
 
 if TYPE_CHECKING:
     import torch
@@ -91,7 +92,7 @@ class HostLink:
         self._root: bytes | None = None
         self._block_size = self._block_bytes = 0
         self._tasks: set[asyncio.Task[None]] = set()
-        self._arrived: set[TransferStamp] = set()
+        self._stamps = StampWaiter(backend.completions)
         self.ready = False
 
     # -- setup --------------------------------------------------------------------------------------
@@ -241,16 +242,7 @@ class HostLink:
 
     async def _await_stamp(self, expected: TransferStamp, timeout_s: float = 5.0) -> None:
         """The load's completion (DESIGN invariant 3: check the stamp before using the blocks)."""
-        deadline = time.monotonic() + timeout_s
-        while expected not in self._arrived:
-            for stamp in self._backend.completions():
-                self._arrived.add(stamp)
-            if expected in self._arrived:
-                break
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"no completion for {expected.request_id}@{expected.generation}")
-            await asyncio.sleep(0.001)
-        self._arrived.discard(expected)  # exactly this (engine key, generation): an older one never matches
+        await self._stamps.wait(expected, timeout_s)
 
     async def cancel(self, key: str, generation: int) -> None:
         """Stop a running load (the awaiting ``load`` then raises `LoadAborted`)."""

@@ -224,7 +224,7 @@ def test_arrivals_accept_only_the_expected_pair():
         assert not arrivals.deliver(TransferStamp("a", 1))  # older generation
         assert not arrivals.deliver(TransferStamp("a", 3))  # ahead of the current one
         assert not arrivals.deliver(TransferStamp("b", 2))  # nobody waits for b
-        assert arrivals.deliver(TransferStamp("a", 2)) and future.result() == TransferStamp("a", 2)
+        assert arrivals.deliver(TransferStamp("a", 2)) and future.result() == (TransferStamp("a", 2),)
         assert not arrivals.deliver(TransferStamp("a", 2))  # a duplicate
         gone = arrivals.expect("c", 1)
         arrivals.forget("c", 1)

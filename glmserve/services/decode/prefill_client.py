@@ -50,6 +50,7 @@ class PrefillAnswer:
     mtp_hidden: bytes
     stamp: bytes  # TransferStamp.encode()
     num_cached_tokens: int
+    num_stages: int = 1  # LayerSplit: the stages that each wrote their slice, in parts
 
 
 class PrefillCallError(GlmServeError):
@@ -134,6 +135,7 @@ class GrpcPrefillClient:
             mtp_hidden=reply.mtp_hidden,
             stamp=reply.stamp,
             num_cached_tokens=reply.num_cached_tokens,
+            num_stages=max(1, reply.num_stages),
         )
 
     async def abort(self, target: str, request_id: str, generation: int, reason: str,

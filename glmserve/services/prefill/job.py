@@ -47,6 +47,20 @@ class PrefillResult:
     mtp_hidden: bytes  # float32 [hidden_size]
     stamp: TransferStamp
     num_cached_tokens: int
+    num_stages: int = 1  # LayerSplit: stages that each wrote their slice (stamps with a StampPart)
+
+
+def check_job(spec: PrefillJob, transfer_kind: str, block_size: int) -> None:
+    """Raises ``ValueError`` naming the field when a job cannot run here."""
+    if not spec.prompt_ids:
+        raise ValueError("prompt_ids: a prompt needs at least one token")
+    if spec.transfer_kind != transfer_kind:
+        raise ValueError(f"transfer_kind: this worker transfers with {transfer_kind!r}, "
+                         f"the decode worker asked for {spec.transfer_kind!r}")
+    need = -(-len(spec.prompt_ids) // block_size)
+    if len(spec.dest_block_ids) != need:
+        raise ValueError(f"dest_block_ids: {len(spec.prompt_ids)} prompt tokens need {need} blocks "
+                         f"of {block_size}, got {len(spec.dest_block_ids)}")
 
 
 @dataclass(frozen=True)

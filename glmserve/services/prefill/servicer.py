@@ -13,12 +13,13 @@ import grpc
 from glmserve.proto_gen.glmserve.prefill.v1 import prefill_pb2 as pb
 from glmserve.proto_gen.glmserve.prefill.v1 import prefill_pb2_grpc as pb_grpc
 from glmserve.services.prefill.job import PrefillAborted, PrefillError, PrefillJob
+from glmserve.services.prefill.replica import StagedPrefill
 from glmserve.services.prefill.worker import PrefillWorker
 from glmserve.services.sampling_proto import from_proto
 
 
 class PrefillServicer(pb_grpc.PrefillServicer):
-    def __init__(self, worker: PrefillWorker, worker_id: str) -> None:
+    def __init__(self, worker: PrefillWorker | StagedPrefill, worker_id: str) -> None:
         self._worker = worker
         self._worker_id = worker_id
 
@@ -35,6 +36,7 @@ class PrefillServicer(pb_grpc.PrefillServicer):
             mtp_hidden=result.mtp_hidden,
             stamp=result.stamp.encode(),
             num_cached_tokens=result.num_cached_tokens,
+            num_stages=result.num_stages,
         )
         if result.first_logprob is not None:
             reply.first_logprob = result.first_logprob

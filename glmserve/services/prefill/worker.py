@@ -27,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -45,7 +44,9 @@ from glmserve.services.prefill.job import (
     PrefillJob,
     PrefillResult,
     WorkerHealth,
+    check_job,
 )
+from glmserve.services.prefill.write_control import request_cancel, wait_final
 from glmserve.services.worker_metrics import WorkerMetrics
 
 if TYPE_CHECKING:
@@ -152,16 +153,7 @@ class PrefillWorker:
     def _validate(self, spec: PrefillJob) -> None:
         if self._closing:
             raise PrefillFailed("the prefill worker is shutting down", drained=True)
-        if not spec.prompt_ids:
-            raise ValueError("prompt_ids: a prompt needs at least one token")
-        if spec.transfer_kind != self._backend.kind:
-            raise ValueError(f"transfer_kind: this worker transfers with {self._backend.kind!r}, "
-                             f"the decode worker asked for {spec.transfer_kind!r}")
-        block_size = self._engine.snapshot.block_size
-        need = -(-len(spec.prompt_ids) // block_size)
-        if len(spec.dest_block_ids) != need:
-            raise ValueError(f"dest_block_ids: {len(spec.prompt_ids)} prompt tokens need {need} blocks "
-                             f"of {block_size}, got {len(spec.dest_block_ids)}")
+        check_job(spec, self._backend.kind, self._engine.snapshot.block_size)
 
     async def _run(self, job: _Job) -> PrefillResult:
         spec, drained = job.spec, True
@@ -213,7 +205,7 @@ class PrefillWorker:
             job.handle = handle = self._backend.write(peer, stamp, src, dst)
         except TransferError as e:  # the write did not start: nothing was sent
             raise PrefillFailed(f"KV transfer could not start: {e}", drained=True) from e
-        await _final(handle)
+        await wait_final(handle)
         m = self.metrics
         if handle.state == "done":
             if m is not None:
@@ -264,7 +256,7 @@ class PrefillWorker:
             if self.metrics is not None:
                 self.metrics.abort(job.stage, label)
             if job.handle is not None:
-                _request_cancel(self._backend, job.handle)
+                request_cancel(self._backend, job.handle)
             elif job.stage == "load" and self._host is not None:
                 self._cancel_load_in_background(job)
             elif job.stage == "compute":
@@ -329,28 +321,3 @@ class PrefillWorker:
             job = self._by_key.get(key)
             if job is not None and not job.held.done():
                 job.held.set_exception(PrefillFailed(message, drained=True))
-
-
-def _request_cancel(backend: KVTransferBackend, handle: TransferHandle) -> None:
-    """Ask the write to stop without blocking the loop; the job sees it end through ``_final``."""
-
-    def cancel() -> None:
-        try:
-            backend.cancel(handle)
-        except TransferError as e:  # not drained: the handle says so, the job reports it
-            log.warning("cancel of %s: %s", handle, e)
-
-    threading.Thread(target=cancel, name="kv-cancel", daemon=True).start()
-
-
-async def _final(handle: TransferHandle) -> None:
-    """Wait (off the loop) until the write is done or failed; backends always get there."""
-    loop = asyncio.get_running_loop()
-    final: asyncio.Future[None] = loop.create_future()
-
-    def wait() -> None:
-        handle.wait()
-        loop.call_soon_threadsafe(lambda: final.done() or final.set_result(None))
-
-    threading.Thread(target=wait, name="kv-wait", daemon=True).start()
-    await final

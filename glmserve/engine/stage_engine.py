@@ -1,0 +1,229 @@
+"""StageEngine: one LayerSplit prefill stage, chunk by chunk, over its own slice of the KV blocks.
+
+A stage holds a contiguous range of layers (`GlmForCausalLM` with a layer range) and a block pool
+whose blocks hold only those layers' KV (`KVLayout.for_config(..., layers=...)`), under the whole
+model's prefix-cache root: a block hash names the same tokens in every stage, and each stage's pool
+holds its slice of that block. Synchronous and transport-free; the stage service drives it and moves
+hidden states, top-k and KV between processes.
+
+A job's life, on every stage alike (the first stage decides the chunks and tells the others):
+
+1. ``begin``: find the prompt's cached prefix in this stage's pool (pinned); returns its length.
+2. ``admit(num_cached)``: keep only the prefix every stage has (the replica's hit is the shortest
+   stage's), allocate the rest of the prompt's blocks (`OutOfBlocks`: nothing held).
+3. ``run_chunk`` for each chunk in order (`chunk_spans`): the previous stage's hidden states (and,
+   when this stage starts on a `shared` layer, the top-k it carries) in, this stage's out. After the
+   chunks `kv_writes` names, the blocks it lists are complete here and go to the decode worker.
+   The last stage also stores the MTP layer's KV and, on the last chunk, samples the first token
+   (`PrefillHandoff`).
+4. ``release`` once every write of the job's blocks is final: full blocks stay in the prefix cache.
+
+Chunks are computed exactly as the whole-model `Engine` computes one request alone (same spans,
+one sequence per forward, MTP KV stored for every prompt position), so a replica of stages writes
+the same bytes as one process.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from glmserve.engine.engine import EngineConfig
+from glmserve.engine.kv_cache_manager import KVCacheManager, prefix_cache_root
+from glmserve.engine.model_runner import ModelRunner
+from glmserve.engine.request import Request
+from glmserve.engine.sampler import Sampler
+from glmserve.engine.sampling_params import SamplingParams
+from glmserve.kv.block_pool import BlockPool, OutOfBlocks
+from glmserve.model.forward_batch import ForwardBatch
+from glmserve.model.glm_model import GlmForCausalLM
+from glmserve.model.kv_layout import KVLayout
+from glmserve.model.loader import load_model
+from glmserve.model.paged_cache import PagedKVCache
+from glmserve.model.revision import model_revision
+from glmserve.text.tokenizer_digest import tokenizer_digest
+
+
+def chunk_spans(num_cached: int, prompt_len: int, chunk_tokens: int) -> list[tuple[int, int]]:
+    """(start, num_tokens) of each chunk computed after a cached prefix of ``num_cached`` tokens."""
+    return [(s, min(chunk_tokens, prompt_len - s)) for s in range(num_cached, prompt_len, chunk_tokens)]
+
+
+def kv_writes(num_cached: int, prompt_len: int, chunk_tokens: int, block_size: int,
+              stream: bool) -> list[tuple[int, range]]:
+    """(chunk index, job blocks) of each KV write of a stage: streamed, after every chunk the blocks
+    it completed (the first write includes the cached prefix's, the last the partial last block);
+    else all blocks once, after the last chunk. Every stage of a replica computes the same list."""
+    spans = chunk_spans(num_cached, prompt_len, chunk_tokens)
+    total = -(-prompt_len // block_size)
+    if not stream:
+        return [(len(spans) - 1, range(total))]
+    writes, shipped = [], 0
+    for i, (start, n) in enumerate(spans):
+        done = total if i == len(spans) - 1 else (start + n) // block_size
+        if done > shipped:
+            writes.append((i, range(shipped, done)))
+            shipped = done
+    return writes
+
+
+@dataclass(frozen=True)
+class PrefillHandoff:
+    """What the last stage hands the decode worker besides the KV (as a one-process prefill does)."""
+
+    first_token: int
+    first_logprob: float | None
+    mtp_hidden: bytes  # float32 [hidden_size]: normed hidden state of the last prompt position
+
+
+@dataclass(frozen=True)
+class ChunkOutput:
+    hidden: torch.Tensor  # [num_tokens, hidden] this stage's output (before the final norm)
+    topk: torch.Tensor  # [num_tokens, k] int64: the top-k the stage's last layer used
+    handoff: PrefillHandoff | None = None  # last stage, last chunk
+
+
+@dataclass(eq=False)
+class _Job:
+    request: Request
+    admitted: bool = False
+
+
+class StageEngine:
+    def __init__(self, model: GlmForCausalLM, config: EngineConfig, revision: str = "",
+                 tokenizer_digest: str | None = None) -> None:
+        self.model, self.config = model, config
+        self.layers = model.layer_range
+        self.use_mtp = model.has_mtp and config.mtp != "off"
+        whole_mtp = model.config.num_nextn_predict_layers > 0 and config.mtp != "off"
+        self.layout = KVLayout.for_config(model.config, config.block_size, model.dtype, with_mtp=self.use_mtp,
+                                          layers=self.layers)
+        # Where this stage's blocks sit in a whole-model block (the decode worker's, the host tier's).
+        whole = KVLayout.for_config(model.config, config.block_size, model.dtype, with_mtp=whole_mtp)
+        self.block_offset, _ = whole.slice_of(self.layers)
+        self.whole_block_bytes = whole.bytes_per_block
+        num_blocks = config.kv_cache_bytes // self.layout.bytes_per_block
+        if num_blocks < 2:
+            raise ValueError(f"kv_cache_bytes: {config.kv_cache_bytes} B holds fewer than 2 blocks")
+        self.cache = PagedKVCache(self.layout, num_blocks + config.host_staging_blocks)
+        self.pool = BlockPool(num_blocks)
+        root = prefix_cache_root(model.dtype, config, revision, tokenizer_digest) if config.prefix_caching else None
+        self.kv = KVCacheManager(self.pool, config.block_size, root)
+        self.runner = ModelRunner(model, self.cache)
+        self.sampler = Sampler()
+        self.jobs: dict[str, _Job] = {}
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | Path, layers: range, dtype: torch.dtype = torch.float32,
+                       revision: str | None = None, **config) -> StageEngine:
+        """A stage holding ``layers`` of the checkpoint (only those weights are read), keyed like a
+        whole-model `Engine` of the same directory (`Engine.from_model_dir`)."""
+        model = load_model(model_dir, layers=layers, dtype=dtype)
+        return cls(model, EngineConfig(**config), revision=model_revision(model_dir, revision),
+                   tokenizer_digest=tokenizer_digest(model_dir))
+
+    def has_unfinished(self) -> bool:
+        """No step loop: the stage computes on commands (an `EngineThread` then just serves them)."""
+        return False
+
+    # --- a job's life -----------------------------------------------------------------------------
+
+    def begin(self, key: str, prompt_ids: list[int], params: SamplingParams, cache_salt: str | None = None) -> int:
+        """Start a job; returns the prompt tokens this stage's pool holds (pinned until ``admit``)."""
+        if key in self.jobs:
+            raise ValueError(f"request_id: {key!r} is already running")
+        c = self.model.config
+        if len(prompt_ids) + params.max_tokens > c.max_position_embeddings:
+            raise ValueError("prompt_ids: prompt plus max_tokens exceeds max_position_embeddings")
+        bad = [t for t in prompt_ids if not 0 <= t < c.vocab_size]
+        if bad:
+            raise ValueError(f"prompt_ids: token ids out of range: {bad[:5]}")
+        req = Request(key, list(prompt_ids), params, hold_blocks=True, cache_salt=cache_salt or None)
+        self.kv.match_prefix(req)
+        self.jobs[key] = _Job(req)
+        return req.num_computed
+
+    def admit(self, key: str, num_cached: int) -> None:
+        """Keep ``num_cached`` tokens of the cached prefix (a multiple of the block size, at most what
+        ``begin`` found) and allocate the rest; raises `OutOfBlocks` after dropping the job."""
+        job = self.jobs[key]
+        req = job.request
+        if num_cached % self.config.block_size or not 0 <= num_cached <= req.num_computed:
+            raise ValueError(f"num_cached: {num_cached} is not a block multiple within this stage's "
+                             f"{req.num_computed} cached tokens")
+        keep = num_cached // self.config.block_size
+        extra = req.block_ids[keep:]
+        del req.block_ids[keep:], req.block_hashes[keep:]
+        self.pool.release(extra[::-1])
+        req.num_computed = req.mtp_synced = req.num_cached_prompt = num_cached
+        if not self.kv.ensure(req, len(req.prompt_ids)):
+            missing = self.kv.blocks_for(len(req.prompt_ids)) - keep
+            self.abort(key)
+            raise OutOfBlocks(missing, self.pool.num_free)
+        job.admitted = True
+
+    @torch.inference_mode()
+    def run_chunk(self, key: str, start: int, num_tokens: int, hidden: torch.Tensor | None = None,
+                  topk: torch.Tensor | None = None) -> ChunkOutput:
+        """Positions ``start .. start + num_tokens - 1`` through this stage's layers. ``hidden``
+        [num_tokens, H]: the previous stage's output (None on the first stage); ``topk``
+        [num_tokens, k]: what the previous stage's last layer used (needed when this stage starts on
+        a shared layer)."""
+        job = self.jobs[key]
+        req = job.request
+        if not job.admitted or start != req.num_computed or not 0 < num_tokens <= len(req.prompt_ids) - start:
+            raise ValueError(f"start: chunk {start}+{num_tokens} does not follow {req.num_computed} computed "
+                             f"tokens of {len(req.prompt_ids)}")
+        end = start + num_tokens
+        batch = ForwardBatch.build([req.prompt_ids[start:end]], [start], [req.block_ids], self.config.block_size)
+        out, topks = self.model(self.model.context(batch, self.cache), hidden,
+                                None if topk is None else [topk])
+        req.num_computed = end
+        handoff = self._finish_chunk(req, start, out) if self.model.is_last else None
+        self.kv.commit_full_blocks(req)
+        return ChunkOutput(out, topks[0], handoff)
+
+    def _finish_chunk(self, req: Request, start: int, hidden: torch.Tensor) -> PrefillHandoff | None:
+        """Last stage: the first token after the last chunk, and the MTP layer's KV of the chunk's
+        positions (each from its normed hidden state and the token after it), as `Engine` does."""
+        normed = self.model.final_norm(hidden)
+        handoff = None
+        if req.num_computed == len(req.prompt_ids):
+            logits = self.model.logits(normed[-1:]).float()
+            sample = self.sampler.sample(logits, [req.params], [req.generator])
+            token = int(sample.token_ids[0])
+            req.output_ids.append(token)
+            logprob = float(torch.log_softmax(logits, dim=-1)[0, token]) if req.params.logprobs is not None else None
+            mtp_hidden = normed[-1].detach().float().contiguous().numpy().tobytes()
+            handoff = PrefillHandoff(token, logprob, mtp_hidden)
+        if self.use_mtp:
+            tokens = req.token_ids[start + 1 : req.num_computed + 1]
+            self.runner.store_mtp_kv([req], [start], [normed], [tokens])
+            req.mtp_synced = req.num_computed
+        return handoff
+
+    def block_ids(self, key: str, blocks: range) -> list[int]:
+        """This stage's block ids of job blocks ``blocks`` (a `kv_writes` range)."""
+        return self.jobs[key].request.block_ids[blocks.start : blocks.stop]
+
+    def num_cached(self, key: str) -> int:
+        return self.jobs[key].request.num_cached_prompt
+
+    def release(self, key: str) -> bool:
+        """End a job whose writes are final: its full blocks stay cached, the rest is freed."""
+        job = self.jobs.pop(key, None)
+        if job is None:
+            return False
+        self.kv.commit_full_blocks(job.request)
+        self.kv.free(job.request)
+        return True
+
+    def abort(self, key: str) -> bool:
+        """Drop a job now (only once nothing may still read or write its blocks)."""
+        job = self.jobs.pop(key, None)
+        if job is None:
+            return False
+        self.kv.free(job.request)
+        return True

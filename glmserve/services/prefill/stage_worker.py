@@ -1,0 +1,409 @@
+"""StageWorker: one LayerSplit stage's part of every prefill job (transport-free; the gRPC servicer
+and the head's coordinator are thin callers).
+
+A job on a stage (the head tells every stage the same thing, `StagedPrefill`):
+
+1. ``begin``: connect to the decode worker's KV buffer with this stage's window (its slice of every
+   whole-model block), find the cached prefix in this stage's pool; returns its length.
+2. ``admit(num_cached, chunk_tokens, stream)``: allocate; stage 0 queues every chunk on its engine
+   at once, the others wait for ``chunk`` calls from the previous stage.
+3. each chunk computed: when `kv_writes` says so, write the blocks it completed into the decode
+   worker's blocks (stamped with a `StampPart`: stage, chunk, blocks, bytes), and hand the outputs
+   to the next stage (a receive slot there, one write of a packed row, then ``chunk``), in order, on
+   a sender task, while the engine goes on with the next chunk.
+4. ``finish`` answers when the job has ended here: every chunk computed and passed on, every write
+   final (the last stage's answer carries the first token). Then the blocks are released to the
+   prefix cache (or freed), never before every write from them is final (DESIGN invariant 2).
+
+``abort`` (the head's fan-out, the head's Finish call going away, or the job timeout) stops the
+job at once: queued chunks are skipped, writes cancelled; it answers once they are final, with
+``drained``. `PrefillHistory` refuses a late Begin for a job that already ended (DESIGN invariant 3).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from glmserve.engine.stage_engine import ChunkOutput, PrefillHandoff, chunk_spans, kv_writes
+from glmserve.kv.transfer import (
+    BlockWindow,
+    KVTransferBackend,
+    StampPart,
+    TransferError,
+    TransferHandle,
+    TransferStamp,
+    verify_stamp,
+)
+from glmserve.services.engine_thread import EngineSnapshot, EngineThread
+from glmserve.services.prefill.activations import ActivationShape, ActivationSlots
+from glmserve.services.prefill.chunk_sender import ChunkSender
+from glmserve.services.prefill.history import PrefillHistory
+from glmserve.services.prefill.job import AbortOutcome
+from glmserve.services.prefill.stage_job import NextStage, StageJobSpec, StageOutcome, StageSettings
+from glmserve.services.prefill.write_control import request_cancel, wait_final
+from glmserve.services.stamp_waiter import StampWaiter
+
+if TYPE_CHECKING:
+    import torch
+
+    from glmserve.engine.stage_engine import StageEngine
+
+log = logging.getLogger(__name__)
+
+SLOT_QUARANTINE_S = 10.0  # > a cancelled write's drain: a slot granted to a job that ended unfilled
+LINGER_S = 60.0  # an ended job nobody asked about is forgotten after this
+
+
+def _output(job: _Job, chunk: int) -> asyncio.Future[tuple[int, ChunkOutput]]:
+    """Chunk ``chunk``'s outputs for the sender, in chunk order whatever order they are set in."""
+    if chunk not in job.outputs:
+        job.outputs[chunk] = asyncio.get_running_loop().create_future()
+    return job.outputs[chunk]
+
+
+def stage_snapshot(engine: StageEngine) -> EngineSnapshot:
+    pool = engine.pool
+    return EngineSnapshot(loaded=True, running=len(engine.jobs), free_blocks=pool.num_free, used_blocks=pool.num_used,
+                          total_blocks=pool.num_blocks, block_size=engine.config.block_size,
+                          cache_root=engine.kv.root_hash or b"")
+
+
+@dataclass(eq=False)
+class _Job:
+    spec: StageJobSpec
+    peer: str  # the decode worker's KV buffer, through this stage's window
+    outcome: asyncio.Future[StageOutcome]
+    writes: dict[int, tuple[int, range]] = field(default_factory=dict)  # chunk -> (write index, job blocks)
+    num_chunks: int = 0
+    computed: int = 0
+    sent: int = 0
+    handles: list[TransferHandle] = field(default_factory=list)
+    handoff: PrefillHandoff | None = None
+    stopped: str | None = None  # why the job stopped early (abort, failure): queued chunks are skipped
+    ending: bool = False  # no write starts any more
+    recv_slots: set[int] = field(default_factory=set)  # receive slots granted, not yet consumed
+    outputs: dict[int, asyncio.Future[tuple[int, ChunkOutput]]] = field(default_factory=dict)  # for the sender
+    tasks: set[asyncio.Task[None]] = field(default_factory=set)
+    timer: asyncio.TimerHandle | None = None
+
+
+class StageWorker:
+    def __init__(self, engine_factory: Callable[[], StageEngine], kv_backend: KVTransferBackend,
+                 activation_backend: KVTransferBackend, settings: StageSettings,
+                 next_stage: NextStage | None) -> None:
+        self._engine = EngineThread(engine_factory, name=f"stage-{settings.index}-engine", snapshot_of=stage_snapshot)
+        self._kv, self._act = kv_backend, activation_backend
+        self.settings, self._next = settings, next_stage
+        self._jobs: dict[tuple[str, int], _Job] = {}
+        self._history = PrefillHistory()
+        self._background: set[asyncio.Task[object]] = set()
+        self._slots: ActivationSlots | None = None
+        self._arrivals = StampWaiter(activation_backend.completions)
+        self._sender: ChunkSender | None = None
+        self._window: BlockWindow | None = None
+        self._buffer: torch.Tensor | None = None
+        self.activation_target = b""
+        self._closing = False
+
+    @property
+    def engine(self) -> EngineThread:
+        return self._engine
+
+    async def start(self) -> None:
+        """Load the stage's engine; register its KV buffer and its activation slots."""
+        self._engine.start()
+        await self._engine.loaded()
+
+        def setup(e: StageEngine) -> tuple[object, ...]:
+            c = e.model.config
+            shape = ActivationShape(self.settings.chunk_tokens, c.hidden_size, e.model.dtype, c.index_topk)
+            window = BlockWindow(0, e.block_offset, e.layout.bytes_per_block)
+            return e.cache.buffer, shape, window
+
+        self._buffer, shape, self._window = await self._engine.submit(setup)
+        self._kv.register(self._buffer)
+        self._slots = ActivationSlots(shape, self.settings.slots, self.settings.slots)
+        self._act.register(self._slots.buffer)
+        if self._next is not None:
+            self._sender = ChunkSender(self.settings, self._act, self._slots, self._next)
+        self.activation_target = self._act.target_info()
+
+    @property
+    def ready(self) -> bool:
+        return self._slots is not None and self._engine.alive and not self._closing
+
+    @property
+    def running(self) -> int:
+        return len(self._jobs)
+
+    # --- the head's calls -------------------------------------------------------------------------
+
+    async def begin(self, spec: StageJobSpec) -> int:
+        """Raises ValueError for a bad or duplicate job, `TransferError` when the decode worker's
+        buffer cannot be reached."""
+        ident = (spec.request_id, spec.generation)
+        if self._closing:
+            raise TransferError("the stage is shutting down")
+        if ident in self._jobs or self._history.refuses(*ident):
+            raise ValueError(f"request {spec.request_id!r} generation {spec.generation} is running or ended here")
+        peer = await asyncio.to_thread(self._kv.connect, spec.decode_target, self._window)
+        if ident in self._jobs or self._history.refuses(*ident):  # an Abort overtook this Begin
+            raise ValueError(f"request {spec.request_id!r} generation {spec.generation} was aborted here")
+        loop = asyncio.get_running_loop()
+        job = _Job(spec, peer, loop.create_future())
+        self._jobs[ident] = job
+        job.timer = loop.call_later(self.settings.job_timeout_s, self._abort_in_background, *ident,
+                                    "stage job timed out")
+        try:
+            return await self._engine.submit(lambda e: e.begin(spec.key, list(spec.prompt_ids), spec.params,
+                                                               spec.cache_salt or None))
+        except BaseException:
+            self._drop(job)
+            raise
+
+    async def admit(self, request_id: str, generation: int, num_cached: int, chunk_tokens: int, stream: bool) -> None:
+        """Raises `OutOfBlocks` (nothing held then) or ValueError."""
+        job = self._job(request_id, generation)
+        if chunk_tokens != self.settings.chunk_tokens:
+            raise ValueError(f"chunk_tokens: {chunk_tokens} != this stage's slots of {self.settings.chunk_tokens}")
+        try:
+            await self._engine.submit(lambda e: e.admit(job.spec.key, num_cached))
+        except BaseException:
+            self._drop(job)
+            raise
+        n, bs = len(job.spec.prompt_ids), self._engine.snapshot.block_size
+        spans = chunk_spans(num_cached, n, chunk_tokens)
+        job.num_chunks = len(spans)
+        plan = kv_writes(num_cached, n, chunk_tokens, bs, stream)
+        job.writes = {chunk: (w, blocks) for w, (chunk, blocks) in enumerate(plan)}
+        if self.settings.index == 0:
+            for i, (start, count) in enumerate(spans):
+                self._compute(job, i, start, count, None, None)
+        if not self.settings.is_last:
+            self._spawn(job, self._send_all(job))
+
+    async def finish(self, request_id: str, generation: int) -> StageOutcome:
+        """Waits until the job has ended here; then forgets it."""
+        job = self._job(request_id, generation)
+        outcome = await asyncio.shield(job.outcome)
+        self._forget(job)
+        return outcome
+
+    async def abort(self, request_id: str, generation: int, reason: str) -> AbortOutcome:
+        """Stop the job now; returns once every write of it is final."""
+        job = self._jobs.get((request_id, generation))
+        if job is None:
+            return AbortOutcome(found=False, drained=self._history.abort(request_id, generation))
+        if not job.ending:
+            log.info("stage %d: aborting %s: %s", self.settings.index, job.spec.key, reason)
+            self._stop(job, StageOutcome(False, f"aborted ({reason or 'abort'})"))
+        outcome = await asyncio.shield(job.outcome)
+        self._forget(job)
+        return AbortOutcome(found=True, drained=outcome.drained)
+
+    # --- from the previous stage --------------------------------------------------------------------
+
+    async def slot(self, request_id: str, generation: int, chunk: int) -> int:
+        job = self._job(request_id, generation)
+        assert self._slots is not None
+        slot = await self._slots.acquire("recv")
+        if job.ending:  # ended while we waited: nobody will write it
+            self._slots.release(slot)
+            raise ValueError(f"request {request_id!r} generation {generation} has ended on this stage")
+        job.recv_slots.add(slot)
+        return slot
+
+    async def chunk(self, request_id: str, generation: int, chunk: int, slot: int, start: int, num_tokens: int,
+                    topk_width: int, stamp: bytes) -> None:
+        """Chunk ``chunk`` landed in receive ``slot``: check its stamp, copy it out, compute it."""
+        job = self._job(request_id, generation)
+        assert self._slots is not None
+        if slot not in job.recv_slots:
+            raise ValueError(f"slot: {slot} was not granted to this job")
+        arrived = TransferStamp.decode(stamp)
+        verify_stamp(arrived, request_id=request_id, generation=generation)
+        if arrived.part is None or (arrived.part.stage, arrived.part.chunk) != (self.settings.index, chunk):
+            raise ValueError(f"stamp: {arrived.part} is not chunk {chunk} for stage {self.settings.index}")
+        await self._arrivals.wait(arrived)
+        hidden, topk = self._slots.unpack(slot, num_tokens, topk_width)
+        job.recv_slots.discard(slot)
+        self._slots.release(slot)
+        self._compute(job, chunk, start, num_tokens, hidden, topk)
+
+    # --- computing and shipping -------------------------------------------------------------------
+
+    def _compute(self, job: _Job, i: int, start: int, n: int, hidden: torch.Tensor | None,
+                 topk: torch.Tensor | None) -> None:
+        key, write = job.spec.key, job.writes.get(i)
+
+        def run(e: StageEngine) -> tuple[ChunkOutput, list[int]] | None:
+            if job.stopped is not None:  # stopped while queued: skip the compute
+                return None
+            out = e.run_chunk(key, start, n, hidden, topk)
+            return out, (e.block_ids(key, write[1]) if write is not None else [])
+
+        future = self._engine.submit(run)
+        self._spawn(job, self._after(job, i, start, future))
+
+    async def _after(self, job: _Job, i: int, start: int, future: asyncio.Future) -> None:
+        try:
+            result = await future
+        except Exception as e:  # the engine failed the chunk (a bug or a bad input): fail the job
+            self._stop(job, StageOutcome(False, f"stage {self.settings.index} chunk {i} failed: {e!r}"))
+            return
+        if result is None or job.stopped is not None:
+            return
+        out, src = result
+        if out.handoff is not None:
+            job.handoff = out.handoff
+        if not self.settings.is_last:
+            _output(job, i).set_result((start, out))
+        job.computed += 1
+        if i in job.writes:
+            await self._write_kv(job, job.writes[i], src)
+        self._maybe_done(job)
+
+    async def _write_kv(self, job: _Job, write: tuple[int, range], src: list[int]) -> None:
+        w, blocks = write
+        spec, s = job.spec, self.settings
+        assert self._window is not None and self._buffer is not None
+        part = StampPart(s.index, s.num_stages, w, len(job.writes), blocks.start, len(blocks),
+                         self._window.dst_offset, self._window.length)
+        stamp = TransferStamp(spec.request_id, spec.generation, part=part)
+        if spec.checksum:  # over whole rows of this stage: exactly the window's bytes at decode
+            stamp = await asyncio.to_thread(stamp.with_checksum, self._buffer, src)
+        if job.ending:
+            return
+        try:
+            handle = self._kv.write(job.peer, stamp, src, list(spec.dest_block_ids[blocks.start : blocks.stop]))
+        except (TransferError, ValueError) as e:
+            self._stop(job, StageOutcome(False, f"stage {s.index}: KV write could not start: {e}"))
+            return
+        self._track(job, handle)
+
+    def _track(self, job: _Job, handle: TransferHandle) -> None:
+        job.handles.append(handle)
+
+        async def watch() -> None:
+            await wait_final(handle)
+            if handle.state != "done":
+                self._stop(job, StageOutcome(False, f"stage {self.settings.index}: transfer failed: {handle.error}"))
+            self._maybe_done(job)
+
+        self._spawn(job, watch())
+
+    async def _send_all(self, job: _Job) -> None:
+        """The sender: each computed chunk's outputs to the next stage, in order."""
+        assert self._sender is not None
+        spec = job.spec
+        for i in range(job.num_chunks):
+            start, out = await _output(job, i)
+            if job.stopped is not None:
+                return
+            try:
+                await self._sender.send(spec, i, start, out, job.num_chunks, lambda: not job.ending,
+                                        job.handles.append)
+            except Exception as e:  # the next stage is gone or refused: the head aborts the others
+                self._stop(job, StageOutcome(False, f"stage {self.settings.index}: sending chunk {i} of "
+                                                    f"{spec.key} failed: {e}"))
+                return
+            job.sent += 1
+            self._maybe_done(job)
+
+    # --- ending -----------------------------------------------------------------------------------
+
+    def _maybe_done(self, job: _Job) -> None:
+        sent = self.settings.is_last or job.sent == job.num_chunks
+        if job.num_chunks and job.computed == job.num_chunks and sent and all(h.state == "done" for h in job.handles):
+            self._end(job, StageOutcome(True, handoff=job.handoff))
+
+    def _stop(self, job: _Job, outcome: StageOutcome) -> None:
+        """End early (abort, failure): skip queued chunks, cancel what is in flight."""
+        if job.ending:
+            return
+        job.stopped = outcome.error
+        for handle in job.handles:
+            if handle.state == "pending":
+                request_cancel(self._backend_of(handle), handle)
+        self._end(job, outcome)
+
+    def _end(self, job: _Job, outcome: StageOutcome) -> None:
+        """Once: no write starts any more; when every write is final, release the blocks and
+        settle the outcome."""
+        if job.ending:
+            return
+        job.ending = True
+        if job.timer is not None:
+            job.timer.cancel()
+        self._spawn(job, self._settle(job, outcome))
+
+    async def _settle(self, job: _Job, outcome: StageOutcome) -> None:
+        for handle in list(job.handles):
+            await wait_final(handle)
+        for task in list(job.tasks):  # a sender waiting for chunks that will not come
+            if task is not asyncio.current_task():
+                task.cancel()
+        drained = all(h.drained for h in job.handles)
+        ok = outcome.ok and all(h.state == "done" for h in job.handles)
+        key = job.spec.key
+        await self._engine.submit(lambda e: e.release(key) if ok else e.abort(key))
+        if job.recv_slots:  # granted but never filled: the previous stage's write may still land
+            slots, job.recv_slots = list(job.recv_slots), set()
+            asyncio.get_running_loop().call_later(SLOT_QUARANTINE_S, self._release_slots, slots)
+        self._history.record(job.spec.request_id, job.spec.generation, drained)
+        if not ok and outcome.ok:
+            outcome = StageOutcome(False, "a write failed", drained)
+        job.outcome.set_result(outcome if ok else StageOutcome(False, outcome.error, drained))
+        asyncio.get_running_loop().call_later(LINGER_S, self._forget, job)  # nobody asked: forget it anyway
+
+    def _backend_of(self, handle: TransferHandle) -> KVTransferBackend:
+        sent = self._sender is not None and handle.peer == self._sender.peer
+        return self._act if sent else self._kv
+
+    def _release_slots(self, slots: list[int]) -> None:
+        assert self._slots is not None
+        for slot in slots:
+            self._slots.release(slot)
+
+    def _drop(self, job: _Job) -> None:
+        """Forget a job that never got going (begin or admit failed): nothing of it was written."""
+        job.ending = True
+        if job.timer is not None:
+            job.timer.cancel()
+        self._forget(job)
+        self._history.record(job.spec.request_id, job.spec.generation, True)
+        job.outcome.set_result(StageOutcome(False, "the job did not start"))
+        key = job.spec.key
+        self._engine.submit_nowait(lambda e: e.abort(key))
+
+    def _forget(self, job: _Job) -> None:
+        ident = (job.spec.request_id, job.spec.generation)
+        if self._jobs.get(ident) is job:
+            del self._jobs[ident]
+
+    def _job(self, request_id: str, generation: int) -> _Job:
+        job = self._jobs.get((request_id, generation))
+        if job is None:
+            raise KeyError(f"request {request_id!r} generation {generation} is not running on this stage")
+        return job
+
+    def _spawn(self, job: _Job, coro) -> None:
+        task = asyncio.create_task(coro)
+        job.tasks.add(task)
+        task.add_done_callback(job.tasks.discard)
+
+    def _abort_in_background(self, request_id: str, generation: int, reason: str) -> None:
+        task = asyncio.create_task(self.abort(request_id, generation, reason))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def close(self) -> None:
+        self._closing = True
+        await asyncio.gather(*(self.abort(r, g, "shutdown") for r, g in list(self._jobs)))
+        await self._engine.stop()
+        self._kv.close()
+        self._act.close()
