@@ -47,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="size of the kvstore's host (CPU) KV tier; 0: none")
     launch.add_argument("--api-key", action="append", default=[], help="require this key (repeatable)")
     launch.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for every service")
+    launch.add_argument("--metrics-port", type=int, default=0, dest="metrics_port_base",
+                        help="fixed metrics ports from BASE: kvstore BASE, prefill-i BASE+1+i, then decode-j "
+                        "after the prefill workers (0: free ports; the router's are on its HTTP port)")
     layout = sub.add_parser("kv-layout", help="print the KV block layout and bytes per token of a model")
     _model_arg(layout)
     layout.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")

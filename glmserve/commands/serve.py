@@ -43,6 +43,7 @@ class ServeConfig:
     api_keys: tuple[str, ...] = ()
     ready_timeout_s: float = 300.0
     grace_s: float = 10.0  # how long a child may take to stop after SIGTERM
+    metrics_port_base: int = 0  # kvstore here, prefill-i at +1+i, decode-j after them; 0: free ports
 
     def __post_init__(self) -> None:
         if not (self.model / "config.json").is_file():
@@ -55,6 +56,10 @@ class ServeConfig:
             raise ValueError(f"transfer: must be auto, nixl or tcp, got {self.transfer!r}")
         if self.host_tier_bytes < 0:
             raise ValueError(f"host_tier_bytes: must be >= 0, got {self.host_tier_bytes}")
+        last = self.metrics_port_base + self.prefill_workers + self.decode_workers
+        if self.metrics_port_base and not (0 < self.metrics_port_base and last <= 65535):
+            raise ValueError(f"metrics_port_base: {self.metrics_port_base} + one port per child must fit in "
+                             "[1, 65535]")
         if self.ready_timeout_s <= 0:
             raise ValueError(f"ready_timeout_s: must be > 0, got {self.ready_timeout_s}")
 
@@ -62,7 +67,12 @@ class ServeConfig:
     def from_args(cls, args: argparse.Namespace) -> ServeConfig:
         return cls(args.model.resolve(), args.prefill_workers, args.decode_workers, port=args.port,
                    transfer=args.transfer, redis_url=args.redis_url, api_keys=tuple(args.api_key),
-                   ready_timeout_s=args.ready_timeout, host_tier_bytes=args.host_tier_bytes)
+                   ready_timeout_s=args.ready_timeout, host_tier_bytes=args.host_tier_bytes,
+                   metrics_port_base=getattr(args, "metrics_port_base", 0))
+
+    def metrics_port(self, index: int) -> int | None:
+        """The fixed metrics port of child ``index`` (kvstore 0, prefill 1..P, decode after); None: free."""
+        return self.metrics_port_base + index if self.metrics_port_base else None
 
 
 class LaunchError(Exception):
@@ -186,10 +196,11 @@ class Launcher:
         with self._lock:
             print(f"glmserve: {message}", file=sys.stderr if err else sys.stdout, flush=True)
 
-    def start(self, name: str, module: str, *args: str, metrics: bool = True) -> Child:
-        """Start ``python -m module args``; with ``metrics``, on a free ``--metrics-port`` too."""
-        port = free_port(self.config.host) if metrics else None
-        extra = ["--metrics-port", str(port)] if port is not None else []
+    def start(self, name: str, module: str, *args: str, metrics: bool = True, metrics_port: int | None = None) -> Child:
+        """Start ``python -m module args``; with ``metrics``, on ``--metrics-port metrics_port`` (a free
+        one when None) and the served model name as its metrics' ``model_name``."""
+        port = (metrics_port or free_port(self.config.host)) if metrics else None
+        extra = ["--metrics-port", str(port), "--served-model-name", self.config.model.name] if port is not None else []
         argv = [sys.executable, "-m", module, *args, *extra]
         child = Child(name, argv, self._env, self._lock, port, self._preexec)
         self.children.append(child)
@@ -240,15 +251,16 @@ def _bring_up(launcher: Launcher) -> str:
     host_tier = ["--host-tier-bytes", str(cfg.host_tier_bytes), "--transfer", cfg.transfer]
     kvstore = launcher.start("kvstore", "glmserve.services.kvstore.main",
                              "--host", cfg.host, "--port", str(kv_port), *redis,
-                             *(host_tier if cfg.host_tier_bytes else []))
+                             *(host_tier if cfg.host_tier_bytes else []), metrics_port=cfg.metrics_port(0))
     kvstore.address = f"{cfg.host}:{kv_port}"
     workers: dict[str, list[Child]] = {"prefill": [], "decode": []}
+    first = {"prefill": 1, "decode": 1 + cfg.prefill_workers}
     for kind, count in (("prefill", cfg.prefill_workers), ("decode", cfg.decode_workers)):
         for i in range(count):
             workers[kind].append(launcher.start(
                 f"{kind}-{i}", _WORKER_MODULES[kind], "--model", str(cfg.model), "--host", cfg.host,
                 "--port", "0", "--worker-id", f"{kind}-{i}", "--transfer", cfg.transfer,
-                "--kvstore", kvstore.address))
+                "--kvstore", kvstore.address, metrics_port=cfg.metrics_port(first[kind] + i)))
     checks: dict[Child, Callable[[], bool]] = {kvstore: _kvstore_ready(kvstore.address)}
     checks.update({c: (lambda c=c: c.announced) for group in workers.values() for c in group})
     launcher.wait_ready(checks, deadline)

@@ -309,6 +309,7 @@ class Engine:
         if drafts:
             self.stats.draft_tokens += len(drafts)
             self.stats.accepted_tokens += len(tokens) - 1
+            self.stats.draft_lengths[len(drafts)] += 1
         self.stats.acceptance_lengths[len(tokens)] += 1
         self.kv.trim(req, req.num_computed + 1)
         return tokens

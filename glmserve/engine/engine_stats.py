@@ -18,6 +18,8 @@ class EngineStats:
     aborts: int = 0
     # Tokens a decoding request gained per verify step (1 + accepted drafts) -> number of such steps.
     acceptance_lengths: Counter = field(default_factory=Counter)
+    # Draft length k of each verified drafting step -> number of such steps.
+    draft_lengths: Counter = field(default_factory=Counter)
 
     @property
     def mean_acceptance_length(self) -> float:

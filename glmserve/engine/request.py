@@ -51,6 +51,7 @@ class Request:
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     first_token_time: float | None = None
+    scheduled_time: float | None = None  # first admitted to run (queue time ends)
     num_preemptions: int = 0
     cache_salt: str | None = None  # tenant prefix-cache salt: enters the hash of block 0
     hold_blocks: bool = False  # prefill-only: keep the blocks after finishing, until released

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import time
 from dataclasses import dataclass
 
 from glmserve.engine.kv_cache_manager import KVCacheManager
@@ -87,6 +88,8 @@ class Scheduler:
             if not self.kv.ensure(req, req.num_computed + n):
                 break  # no room: keep arrival order, try again next step
             heapq.heappop(self._waiting)
+            if req.scheduled_time is None:  # a preempted request keeps its first admission
+                req.scheduled_time = time.monotonic()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             work.append(ScheduledWork(req, n, not req.in_prefill))

@@ -65,6 +65,7 @@ class BlockPool:
             raise ValueError(f"num_blocks: must be an int >= 0, got {num_blocks!r}")
         self.num_blocks = num_blocks
         self._on_evict = on_evict
+        self.num_evictions = 0  # cached blocks evicted by `allocate`, ever
         self._ref = [0] * num_blocks
         self._hash: list[bytes | None] = [None] * num_blocks
         self._free: deque[int] = deque(range(num_blocks))
@@ -128,6 +129,7 @@ class BlockPool:
             self._ref[block_id] = 1
             out.append(block_id)
         self._num_used += n
+        self.num_evictions += len(evicted)
         if self._on_evict is not None:
             for block_id, block_hash in evicted:
                 self._on_evict(block_id, block_hash)

@@ -52,6 +52,11 @@ class EngineSnapshot:
     prompt_tokens: int = 0
     generated_tokens: int = 0
     acceptance_lengths: dict[int, int] = field(default_factory=dict)
+    draft_lengths: dict[int, int] = field(default_factory=dict)
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    preemptions: int = 0
+    evictions: int = 0
 
     @classmethod
     def of(cls, engine: Engine) -> EngineSnapshot:
@@ -70,6 +75,11 @@ class EngineSnapshot:
             prompt_tokens=stats.prompt_tokens,
             generated_tokens=stats.generated_tokens,
             acceptance_lengths=dict(stats.acceptance_lengths),
+            draft_lengths=dict(stats.draft_lengths),
+            draft_tokens=stats.draft_tokens,
+            accepted_tokens=stats.accepted_tokens,
+            preemptions=engine.scheduler.num_preemptions,
+            evictions=engine.pool.num_evictions,
         )
 
 

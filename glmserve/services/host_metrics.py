@@ -9,8 +9,10 @@
   host blocks into this worker's device blocks before prefill
 - ``glmserve_host_tier_failures_total{op}``: host-tier operations that failed (the request goes on
   without the host tier)
-- ``glmserve_prefix_cache_hit_tokens_total{tier}``: prompt tokens this worker did not compute,
-  by the tier they came from (``device``, or ``host`` when loaded back)
+- ``glmserve_worker_prefix_cache_hit_tokens_total{tier}``: prompt tokens this worker did not
+  compute, by the tier they came from (``device``, or ``host`` when loaded back); the router's
+  ``glmserve_prefix_cache_hit_tokens_total`` is the cluster-wide figure, a distinct name so that no
+  ``sum()`` adds the two
 """
 
 from __future__ import annotations
@@ -42,13 +44,15 @@ class HostTierMetrics:
                                           registry=r)
         self.failures = Counter("glmserve_host_tier_failures", "Host-tier operations that failed, by op.",
                                 ["op"], registry=r)
-        self.hit_tokens = Counter("glmserve_prefix_cache_hit_tokens",
+        self.hit_tokens = Counter("glmserve_worker_prefix_cache_hit_tokens",
                                   "Prompt tokens reused from the prefix cache, by tier.", ["tier"], registry=r)
         for kind in ("write_through", "demotion"):
             self.writes.labels(kind=kind)
             self.write_bytes.labels(kind=kind)
         for tier in ("device", "host"):
             self.hit_tokens.labels(tier=tier)
+        for op in ("write_through", "demotion", "loadback"):
+            self.failures.labels(op=op)
 
     def count_hits(self, num_cached_tokens: int, host_tokens: int) -> None:
         """Split one request's reused prompt tokens into device and host hits."""

@@ -59,7 +59,8 @@ class KVEventPublisher:
         self._thread: threading.Thread | None = None
         self._flush_lock = threading.Lock()  # flush() from a test or close() vs the thread
         self.published_events = 0
-        self.failures = 0
+        self.failures = 0  # flushes that failed after the kvstore was first reached
+        self._reached = False
 
     # -- BlockListener (engine thread) ------------------------------------------------------------
 
@@ -90,11 +91,13 @@ class KVEventPublisher:
                 elif batch:
                     self._send(_coalesce(self.worker_id, batch, self._max_hashes))
             except KVStoreError as e:
-                self.failures += 1
-                if self._in_sync or self.failures == 1:
+                if self._reached:  # before the first success the kvstore is starting, not failing
+                    self.failures += 1
+                if self._in_sync and self._reached:
                     log.warning("kvstore unreachable, block events held for a resync: %s", e)
                 self._in_sync = False
                 return False
+            self._reached = True
             if not self._in_sync:
                 log.info("block index resynced for worker %s (%d blocks)", self.worker_id, len(self._held))
             self._in_sync = True

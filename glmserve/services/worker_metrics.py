@@ -15,8 +15,20 @@ Names (base units, ``_total`` counters):
   ``glmserve_kv_transfer_failures_total{reason}`` (both sides), ``glmserve_kv_transfer_stale_total``
   (decode: completions of an old generation, ignored)
 - ``glmserve_aborts_total{stage,reason}``
-- ``glmserve_spec_acceptance_length`` (tokens gained per decode verify step, 1 + accepted drafts)
+- ``glmserve_spec_acceptance_length`` (tokens gained per decode verify step, 1 + accepted drafts),
+  ``glmserve_spec_draft_length`` (the k chosen per verified drafting step),
+  ``glmserve_spec_draft_tokens_total`` / ``glmserve_spec_accepted_tokens_total`` (drafting steps only)
 - ``glmserve_worker_prompt_tokens_total``, ``glmserve_worker_generation_tokens_total``
+- ``glmserve_worker_request_queue_time_seconds`` (prefill: arrival to first scheduled; decode: arrival
+  to its blocks reserved), ``glmserve_worker_request_prefill_time_seconds`` (prefill: scheduled to the
+  prompt's KV computed), ``glmserve_worker_request_decode_time_seconds`` (decode: first to last token)
+- ``glmserve_worker_preemptions_total``, ``glmserve_kv_evictions_total``, ``glmserve_kv_cache_usage_ratio``
+- ``glmserve_kv_transfer_deferred_releases_total`` (decode: blocks freed only after the agreed
+  timeout, because a writer may still write into them)
+- ``process_*`` and ``glmserve_build_info{role,version}`` (`metrics_exposition.add_process_metrics`)
+
+Labelled counters export every known label value from the start (`ABORT_STAGES`, `ABORT_REASONS`,
+`TRANSFER_FAILURE_REASONS`).
 """
 
 from __future__ import annotations
@@ -25,16 +37,23 @@ import time
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from glmserve.services.engine_thread import EngineSnapshot
+from glmserve.services.metrics_exposition import add_process_metrics
 
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12)
 _E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640, 1280)
 _TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _ACCEPT_BUCKETS = (1, 2, 3, 4, 5, 6, 8)
+_DRAFT_BUCKETS = (0, 1, 2, 3, 4, 6, 8)
+_PHASE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
+ABORT_STAGES = {"prefill": ("connect", "load", "compute", "transfer"), "decode": ("queued", "prefill", "decode")}
+ABORT_REASONS = {"prefill": ("abort_rpc", "caller_cancelled", "shutdown"),
+                 "decode": ("abort_rpc", "cancelled", "shutdown")}
+TRANSFER_FAILURE_REASONS = {"prefill": ("writer",), "decode": ("stamp", "peer_gone", "not_drained")}
 
 
 class _SnapshotCollector(Collector):
@@ -53,23 +72,32 @@ class _SnapshotCollector(Collector):
             ("glmserve_worker_requests_waiting", "Requests waiting (for a slot, or for their KV).", waiting),
             ("glmserve_kv_blocks_used", "KV blocks with an owner.", s.used_blocks),
             ("glmserve_kv_blocks_free", "KV blocks free or only prefix-cached.", s.free_blocks),
+            ("glmserve_kv_cache_usage_ratio", "KV blocks with an owner / all KV blocks.",
+             s.used_blocks / s.total_blocks if s.total_blocks else 0.0),
         ):
             family = GaugeMetricFamily(name, doc)
             family.add_metric([], float(value))
             yield family
-        yield _acceptance_histogram(s.acceptance_lengths)
+        for name, doc, value in (
+            ("glmserve_worker_preemptions", "Requests preempted (blocks ran out; recomputed later).",
+             s.preemptions),
+            ("glmserve_kv_evictions", "Cached KV blocks evicted to make room.", s.evictions),
+            ("glmserve_spec_draft_tokens", "MTP draft tokens verified (drafting steps only).", s.draft_tokens),
+            ("glmserve_spec_accepted_tokens", "MTP draft tokens accepted.", s.accepted_tokens),
+        ):
+            yield CounterMetricFamily(name, doc, value=float(value))
+        yield _histogram("glmserve_spec_acceptance_length",
+                         "Tokens gained per decode verify step (1 + accepted drafts).",
+                         _ACCEPT_BUCKETS, s.acceptance_lengths)
+        yield _histogram("glmserve_spec_draft_length", "Draft length k chosen, per verified drafting step.",
+                         _DRAFT_BUCKETS, s.draft_lengths)
 
 
-def _acceptance_histogram(counts: dict[int, int]) -> HistogramMetricFamily:
-    buckets, cumulative = [], 0
-    for bound in _ACCEPT_BUCKETS:
-        cumulative += sum(n for k, n in counts.items() if bound - 1 < k <= bound)
-        buckets.append((str(float(bound)), float(cumulative)))
-    total = sum(counts.values())
-    buckets.append(("+Inf", float(total)))
-    family = HistogramMetricFamily(
-        "glmserve_spec_acceptance_length", "Tokens gained per decode verify step (1 + accepted drafts)."
-    )
+def _histogram(name: str, doc: str, bounds: tuple[int, ...], counts: dict[int, int]) -> HistogramMetricFamily:
+    """A histogram of integer observations ``counts`` (value -> how often)."""
+    buckets = [(str(float(b)), float(sum(n for k, n in counts.items() if k <= b))) for b in bounds]
+    buckets.append(("+Inf", float(sum(counts.values()))))
+    family = HistogramMetricFamily(name, doc)
     family.add_metric([], buckets, sum_value=float(sum(k * n for k, n in counts.items())))
     return family
 
@@ -102,7 +130,22 @@ class WorkerMetrics:
         self.prompt_tokens = Counter("glmserve_worker_prompt_tokens", "Prompt tokens of accepted requests.",
                                      registry=r)
         self.generation_tokens = Counter("glmserve_worker_generation_tokens", "Tokens generated.", registry=r)
+        self.queue_time = Histogram("glmserve_worker_request_queue_time_seconds",
+                                    "Arrival at this worker to first scheduled.", buckets=_PHASE_BUCKETS, registry=r)
+        self.prefill_time = Histogram("glmserve_worker_request_prefill_time_seconds",
+                                      "Scheduled to the prompt's KV computed.", buckets=_PHASE_BUCKETS, registry=r)
+        self.decode_time = Histogram("glmserve_worker_request_decode_time_seconds",
+                                     "First token to the last.", buckets=_E2E_BUCKETS, registry=r)
+        self.deferred_releases = Counter("glmserve_kv_transfer_deferred_releases",
+                                         "Blocks freed only after the agreed timeout (a writer may still write).",
+                                         registry=r)
+        for stage in ABORT_STAGES[role]:
+            for reason in ABORT_REASONS[role]:
+                self.aborts.labels(stage=stage, reason=reason)
+        for reason in TRANSFER_FAILURE_REASONS[role]:
+            self.transfer_failures.labels(reason=reason)
         r.register(_SnapshotCollector(snapshot, role))
+        add_process_metrics(r, role)
 
     def abort(self, stage: str, reason: str) -> None:
         self.aborts.labels(stage=stage, reason=reason).inc()
@@ -119,6 +162,14 @@ class TokenTimer:
         self._m = metrics
         self._start = self._last = time.monotonic() if arrival is None else arrival
         self._first = True
+        self._first_at: float | None = None
+        self._queued = False
+
+    def scheduled(self) -> None:
+        """The request got its blocks (the end of its queue time); counted once."""
+        if not self._queued:
+            self._queued = True
+            self._m.queue_time.observe(time.monotonic() - self._start)
 
     def on_tokens(self, n: int) -> None:
         if n <= 0:
@@ -126,7 +177,7 @@ class TokenTimer:
         now = time.monotonic()
         if self._first:
             self._m.ttft.observe(now - self._start)
-            self._first = False
+            self._first, self._first_at = False, now
         else:
             gap = (now - self._last) / n  # a speculative step brings several tokens: spread the gap
             for _ in range(n):
@@ -136,3 +187,5 @@ class TokenTimer:
 
     def finish(self) -> None:
         self._m.e2e.observe(time.monotonic() - self._start)
+        if self._first_at is not None:
+            self._m.decode_time.observe(self._last - self._first_at)

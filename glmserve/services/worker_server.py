@@ -18,15 +18,17 @@ import signal
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry
 
 from glmserve.kv.transfer import KVTransferBackend, make_backend, nixl_unavailable_reason
 from glmserve.services.host_link import HostSettings
 from glmserve.services.kv_events import KVEventPublisher, PublisherCollector
 from glmserve.services.kvstore.client import KVStoreClient
+from glmserve.services.metrics_exposition import MetricsServer, labelled
 
 if TYPE_CHECKING:
     from glmserve.engine.engine import Engine
@@ -52,6 +54,8 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--transfer", choices=("auto", "nixl", "tcp"), default="auto",
                    help="KV transfer: NIXL when it imports (auto), or TCP")
     p.add_argument("--metrics-port", type=int, default=None, help="Prometheus endpoint (off if absent)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model_name label of this worker's metrics (default: the model directory's name)")
     p.add_argument("--kv-cache-bytes", type=int, default=None, help="KV cache size (engine default if absent)")
     p.add_argument("--kvstore", default=None,
                    help="host:port of the kvstore: publish this worker's cached blocks to its index and "
@@ -82,6 +86,7 @@ class WorkerConfig:
     host_write_through: str = "on"
     host_staging_blocks: int = DEFAULT_STAGING_BLOCKS
     check_integrity: bool = False
+    served_model_name: str | None = None  # the metrics' model_name (None: the model directory's name)
 
     def __post_init__(self) -> None:
         check_port("port", self.port)
@@ -95,6 +100,10 @@ class WorkerConfig:
             raise ValueError(f"host_staging_blocks: must be >= 0, got {self.host_staging_blocks}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
             raise ValueError(f"kv_cache_bytes: must be > 0, got {self.kv_cache_bytes}")
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or Path(self.model).name
 
     def engine_config(self) -> dict[str, int | bool]:
         """Engine config fields from the worker flags."""
@@ -164,12 +173,15 @@ def start_block_events(kvstore: str | None, worker_id: str) -> KVEventPublisher 
 
 
 async def serve_worker(config: WorkerConfig, worker: Worker, add_servicer: Callable[[grpc.aio.Server], None],
-                       registry: CollectorRegistry | None, publisher: KVEventPublisher | None, name: str) -> int:
-    """`run_worker` with the worker's block-event publisher on its metrics, closed on exit."""
+                       registry: CollectorRegistry | None, publisher: KVEventPublisher | None, name: str,
+                       role: str) -> int:
+    """`run_worker` with the worker's block-event publisher on its metrics, closed on exit; every
+    sample is served with the ``model_name`` and ``role`` labels."""
     if publisher is not None and registry is not None:
         registry.register(PublisherCollector(publisher))
     try:
-        return await run_worker(worker, add_servicer, host=config.host, port=config.port, registry=registry,
+        served = None if registry is None else labelled(registry, {"model_name": config.model_name, "role": role})
+        return await run_worker(worker, add_servicer, host=config.host, port=config.port, registry=served,
                                 metrics_port=config.metrics_port, name=name)
     finally:
         if publisher is not None:
@@ -211,9 +223,9 @@ async def run_worker(
     await server.start()
     http = None
     if metrics_port is not None and registry is not None:
-        http, _ = start_http_server(metrics_port, addr=host, registry=registry)
+        http = MetricsServer(registry, host, metrics_port)
     log.info("%s serving on %s:%d; metrics: %s", name, host, bound,
-             f"{host}:{http.server_port}" if http is not None else "off")
+             f"{host}:{http.port}" if http is not None else "off")
     print(f"READY {host}:{bound}", flush=True)
     try:
         await stop.wait()
@@ -222,6 +234,6 @@ async def run_worker(
         await worker.close()
         await server.stop(GRACE_S)
         if http is not None:
-            http.shutdown()
+            http.close()
         log.info("%s stopped", name)
     return 0

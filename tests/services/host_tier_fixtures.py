@@ -14,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from worker_fixtures import REPO, free_port
 
 from glmserve.services.kvstore.client import KVStoreClient, KVStoreError
+from glmserve.services.metrics_exposition import SERVICE_LABELS
 
 
 class HostKVStore:
@@ -45,7 +46,8 @@ class HostKVStore:
         """Unlabelled samples of /metrics, by name."""
         with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as r:
             text = r.read().decode()
-        return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if not s.labels}
+        return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
+                if not set(s.labels) - set(SERVICE_LABELS)}
 
     def wait_metric(self, name: str, predicate, timeout_s: float = 15.0) -> float:
         deadline = time.monotonic() + timeout_s
@@ -68,4 +70,4 @@ class HostKVStore:
 
 
 def hit_tokens(metrics: dict, tier: str) -> float:
-    return metrics.get(("glmserve_prefix_cache_hit_tokens_total", (("tier", tier),)), 0.0)
+    return metrics.get(("glmserve_worker_prefix_cache_hit_tokens_total", (("tier", tier),)), 0.0)

@@ -14,6 +14,8 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 from worker_fixtures import MODEL_DIR, read_ready_address, spawn_service
 
+from glmserve.services.metrics_exposition import SERVICE_LABELS
+
 
 class RouterProcess:
     def __init__(self, proc: subprocess.Popen[bytes], log: Path) -> None:
@@ -42,7 +44,7 @@ class RouterProcess:
 
     def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
         text = httpx.get(f"{self.url}/metrics", timeout=5).text
-        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+        return {(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k not in SERVICE_LABELS))): s.value
                 for family in text_string_to_metric_families(text) for s in family.samples}
 
     def stop(self) -> int:

@@ -11,7 +11,14 @@ import sys
 from pathlib import Path
 
 import grpc
-from worker_fixtures import KV_CACHE_BYTES, MODEL_DIR, WorkerProcess, free_port, read_ready_address, spawn_service
+from worker_fixtures import (
+    KV_CACHE_BYTES,
+    MODEL_DIR,
+    WorkerProcess,
+    free_port,
+    read_ready_address,
+    spawn_service,
+)
 
 from glmserve.proto_gen.glmserve.prefill.v1 import prefill_pb2 as prefill_pb
 from glmserve.proto_gen.glmserve.prefill.v1 import stage_pb2_grpc

@@ -9,6 +9,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import yaml
 from router_fixtures import MODEL_DIR
 
 from glmserve.commands.serve import module_exists
@@ -16,7 +17,8 @@ from glmserve.services.router.main import RouterConfig
 
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE = shutil.which("docker-compose")
-SERVICES = {"router", "prefill", "decode", "kvstore", "redis"}
+SERVICES = {"router", "prefill", "decode", "kvstore", "redis", "prometheus", "grafana"}
+OBSERVABILITY = {"prometheus", "grafana"}
 
 pytestmark = pytest.mark.skipif(COMPOSE is None, reason="docker-compose not installed (apt-get install docker-compose)")
 
@@ -28,7 +30,6 @@ def _compose(*args: str) -> subprocess.CompletedProcess[str]:
 
 @pytest.fixture(scope="module")
 def config() -> dict:
-    yaml = pytest.importorskip("yaml")
     rendered = _compose("config")
     assert rendered.returncode == 0, rendered.stderr
     return yaml.safe_load(rendered.stdout)
@@ -45,19 +46,37 @@ def test_one_container_per_service_each_with_a_healthcheck(config: dict) -> None
     assert set(services) == SERVICES
     for name, service in services.items():
         assert service["healthcheck"]["test"][0] == "CMD", name
-        if name != "redis":
+        if name not in {"redis"} | OBSERVABILITY:
             assert service["image"] == "glmserve:latest" and "build" in service, name
             module = service["command"][service["command"].index("-m") + 1]
             assert module_exists(module), f"{name} runs {module}, which does not exist"
 
 
-def test_model_is_mounted_read_only_and_only_the_router_is_published_on_loopback(config: dict) -> None:
+def test_model_is_mounted_read_only_and_only_router_and_dashboards_are_published_on_loopback(config: dict) -> None:
     services = config["services"]
     for name in ("router", "prefill", "decode"):
         (mount,) = services[name]["volumes"]
         assert mount["read_only"] is True and mount["target"] == "/model", name
     assert services["router"]["ports"] == ["127.0.0.1:8000:8000/tcp"]
-    assert all("ports" not in s for n, s in services.items() if n != "router")
+    assert services["prometheus"]["ports"] == ["127.0.0.1:9090:9090/tcp"]
+    assert services["grafana"]["ports"] == ["127.0.0.1:3000:3000/tcp"]
+    assert all("ports" not in s for n, s in services.items() if n not in {"router"} | OBSERVABILITY)
+
+
+def test_prometheus_and_grafana_are_provisioned_from_deploy(config: dict) -> None:
+    mounts = {name: {m["target"]: Path(m["source"]).relative_to(REPO).as_posix() for m in config["services"][name]["volumes"]}
+              for name in OBSERVABILITY}
+    assert mounts["prometheus"] == {"/etc/prometheus/prometheus.yml": "deploy/prometheus/prometheus.yml",
+                                    "/etc/prometheus/rules": "deploy/prometheus/rules"}
+    assert mounts["grafana"] == {"/etc/grafana/provisioning": "deploy/grafana/provisioning",
+                                 "/var/lib/grafana/dashboards": "deploy/grafana/dashboards"}
+    targets = {t for job in yaml.safe_load((REPO / "deploy/prometheus/prometheus.yml").read_text())["scrape_configs"]
+               for c in job["static_configs"] for t in c["targets"]}
+    services = config["services"]
+    for name in ("prefill", "decode", "kvstore"):  # each scraped on the metrics port its command fixes
+        command = services[name]["command"]
+        assert f"{name}:{command[command.index('--metrics-port') + 1]}" in targets, name
+    assert "router:8000" in targets
 
 
 def test_router_command_parses_with_the_router_flags(config: dict) -> None:

@@ -73,12 +73,15 @@ def test_publisher_state_is_exposed_as_metrics() -> None:
     publisher = KVEventPublisher("w1", KVStoreClient(f"127.0.0.1:{port}", timeout_s=0.3))
     registry = CollectorRegistry()
     registry.register(PublisherCollector(publisher))
-    assert not publisher.flush()  # nothing listens on the port yet
+    assert not publisher.flush()  # nothing listens on the port yet: the kvstore is still starting
     assert registry.get_sample_value("glmserve_kv_index_in_sync") == 0
-    assert registry.get_sample_value("glmserve_kv_events_publish_failures_total") == 1
+    assert registry.get_sample_value("glmserve_kv_events_publish_failures_total") == 0
     with kvstore(port):
         committed_pool(2, H[:2], publisher)
         assert publisher.flush()
         assert registry.get_sample_value("glmserve_kv_index_in_sync") == 1
         assert registry.get_sample_value("glmserve_kv_events_published_total") == 1  # one stored event
-        publisher.close()
+    publisher.block_stored(H[2])
+    assert not publisher.flush()  # reached once, now gone: a real failure
+    assert registry.get_sample_value("glmserve_kv_events_publish_failures_total") == 1
+    publisher.close()

@@ -30,6 +30,7 @@ from glmserve.proto_gen.glmserve.decode.v1 import decode_pb2 as decode_pb
 from glmserve.proto_gen.glmserve.decode.v1 import decode_pb2_grpc as decode_grpc
 from glmserve.proto_gen.glmserve.prefill.v1 import prefill_pb2 as prefill_pb
 from glmserve.proto_gen.glmserve.prefill.v1 import prefill_pb2_grpc as prefill_grpc
+from glmserve.services.metrics_exposition import SERVICE_LABELS
 from glmserve.services.sampling_proto import to_proto
 
 REPO = Path(__file__).resolve().parents[2]
@@ -111,7 +112,7 @@ class WorkerProcess:
         url = f"http://127.0.0.1:{self.metrics_port}/metrics"
         with urllib.request.urlopen(url, timeout=5) as r:
             text = r.read().decode()
-        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+        return {(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k not in SERVICE_LABELS))): s.value
                 for family in text_string_to_metric_families(text) for s in family.samples}
 
     def wait_free(self, free_blocks: int, timeout_s: float = 15.0) -> object:

@@ -147,6 +147,8 @@ class DecodeFlow:
             ctx.release_now(self.key)  # nothing was asked of any prefill worker yet
             raise _Ended(Stop("abort", self._abort_reason))
         self.stage = "prefill"
+        if self._timer is not None:
+            self._timer.scheduled()
         arrival = ctx.arrivals.expect(self.request_id, self.generation)
         call = asyncio.create_task(ctx.prefill.prefill(self._target, PrefillCall(
             self.request_id, self.generation, self._prompt, self._params, ctx.target, dest,

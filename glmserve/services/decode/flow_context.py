@@ -74,6 +74,8 @@ class FlowContext:
 
         handle = asyncio.get_running_loop().call_later(delay_s, fire)
         self.quarantined.add(handle)
+        if self.metrics is not None:
+            self.metrics.deferred_releases.inc()
 
     def cancel_quarantines(self) -> None:
         for handle in self.quarantined:

@@ -72,7 +72,7 @@ async def serve(config: DecodeConfig) -> int:
     servicer = DecodeServicer(worker, config.worker_id)
     return await serve_worker(config, worker, lambda server: pb_grpc.add_DecodeServicer_to_server(servicer, server),
                               worker.metrics.registry if worker.metrics is not None else None, publisher,
-                              f"decode worker {config.worker_id} ({backend.kind} transfer)")
+                              f"decode worker {config.worker_id} ({backend.kind} transfer)", role="decode")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

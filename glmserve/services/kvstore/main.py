@@ -19,13 +19,13 @@ from concurrent import futures
 from dataclasses import dataclass
 
 import grpc
-from prometheus_client import start_http_server
 
 from glmserve.kv.block_index import BlockIndex, InMemoryBlockIndex, RedisBlockIndex
 from glmserve.proto_gen.glmserve.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from glmserve.services.kvstore.host_tier import HostTier
 from glmserve.services.kvstore.metrics import KVStoreMetrics
 from glmserve.services.kvstore.servicer import KVStoreServicer
+from glmserve.services.metrics_exposition import MetricsServer, add_process_metrics, labelled
 from glmserve.services.worker_server import build_backend
 
 log = logging.getLogger("glmserve.kvstore")
@@ -39,6 +39,7 @@ class KVStoreConfig:
     redis_key_prefix: str = "glmserve"
     redis_timeout_s: float = 0.5
     metrics_port: int | None = None  # None: no metrics endpoint
+    served_model_name: str | None = None  # the metrics' model_name label
     threads: int = 8  # gRPC handler threads
     grace_s: float = 2.0  # how long in-flight RPCs may finish on shutdown
     host_tier_bytes: int = 0  # 0: no host tier
@@ -75,6 +76,7 @@ class KVStoreConfig:
         p.add_argument("--redis-key-prefix", default=cls.redis_key_prefix)
         p.add_argument("--redis-timeout", type=float, default=cls.redis_timeout_s, dest="redis_timeout_s")
         p.add_argument("--metrics-port", type=int, default=None)
+        p.add_argument("--served-model-name", default=None, help="the model_name label of the metrics")
         p.add_argument("--threads", type=int, default=cls.threads)
         p.add_argument("--host-tier-bytes", type=int, default=0,
                        help="size of the host (CPU) KV block tier; 0: none")
@@ -108,15 +110,17 @@ def serve(config: KVStoreConfig, stop: threading.Event) -> None:
     index = config.build_index()
     host = config.build_host_tier(index)
     metrics = KVStoreMetrics(index, host=host)
+    add_process_metrics(metrics.registry, "kvstore")
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.threads))
     pb_grpc.add_KVStoreServicer_to_server(KVStoreServicer(index, metrics, host), server)
     port = server.add_insecure_port(f"{config.host}:{config.port}")
     http = None
     if config.metrics_port is not None:
-        http, _ = start_http_server(config.metrics_port, addr=config.host, registry=metrics.registry)
+        labels = {"role": "kvstore"} | ({"model_name": config.served_model_name} if config.served_model_name else {})
+        http = MetricsServer(labelled(metrics.registry, labels), config.host, config.metrics_port)
     server.start()
     log.info("kvstore serving on %s:%d; index: %s; metrics: %s", config.host, port, index.describe(),
-             f"{config.host}:{http.server_port}" if http is not None else "off")
+             f"{config.host}:{http.port}" if http is not None else "off")
     if not index.healthy():
         log.warning("index backend unreachable (%s): index calls fail with UNAVAILABLE until it is back",
                     index.describe())
@@ -131,7 +135,7 @@ def serve(config: KVStoreConfig, stop: threading.Event) -> None:
         log.info("kvstore stopping")
         server.stop(config.grace_s).wait()
         if http is not None:
-            http.shutdown()
+            http.close()
         if host is not None:
             host.close()
         index.close()

@@ -72,7 +72,7 @@ async def serve_stage(config: PrefillConfig) -> int:
         def add(server: grpc.aio.Server) -> None:
             stage_pb2_grpc.add_StageServicer_to_server(stage_servicer, server)
 
-        return await serve_worker(config, worker, add, None, publisher, name)
+        return await serve_worker(config, worker, add, None, publisher, name, role="prefill")
     metrics = WorkerMetrics("prefill", config.worker_id, lambda: worker.engine.snapshot)
     others = [GrpcStage(a, k) for k, a in enumerate(addresses) if k > 0]
     head = StagedPrefill(worker, others, ReplicaSettings(kv.kind, config.chunk_tokens, config.stream_min_tokens),
@@ -83,4 +83,4 @@ async def serve_stage(config: PrefillConfig) -> int:
         prefill_pb2_grpc.add_PrefillServicer_to_server(prefill_servicer, server)
         stage_pb2_grpc.add_StageServicer_to_server(stage_servicer, server)
 
-    return await serve_worker(config, head, add_head, metrics.registry, publisher, name)
+    return await serve_worker(config, head, add_head, metrics.registry, publisher, name, role="prefill")

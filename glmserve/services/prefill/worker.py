@@ -53,6 +53,7 @@ if TYPE_CHECKING:
     import torch
 
     from glmserve.engine.engine import Engine, StepOutput
+    from glmserve.engine.request import Request
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +67,8 @@ class _Held:
     first_logprob: float | None
     mtp_hidden: bytes
     num_cached: int
+    queue_s: float | None = None  # arrival at the engine to first scheduled
+    compute_s: float | None = None  # first scheduled to the first token (the prompt's KV computed)
 
 
 @dataclass(eq=False)
@@ -176,6 +179,9 @@ class PrefillWorker:
 
             await self._engine.submit(add)
             held = await job.held
+            if self.metrics is not None and held.queue_s is not None:
+                self.metrics.queue_time.observe(held.queue_s)
+                self.metrics.prefill_time.observe(held.compute_s)
             if self.host_metrics is not None:
                 host_blocks = 0 if loaded is None else loaded.host_blocks
                 self.host_metrics.count_hits(held.num_cached, host_blocks * self._engine.snapshot.block_size)
@@ -300,6 +306,7 @@ class PrefillWorker:
                 first_logprob=req.output_logprobs[0] if req.output_logprobs else None,
                 mtp_hidden=req.last_hidden.detach().float().contiguous().numpy().tobytes(),
                 num_cached=req.num_cached_prompt,
+                **_phases(req),
             )
             self._engine.post(self._held, out.request_id, held)
 
@@ -321,3 +328,9 @@ class PrefillWorker:
             job = self._by_key.get(key)
             if job is not None and not job.held.done():
                 job.held.set_exception(PrefillFailed(message, drained=True))
+
+
+def _phases(req: Request) -> dict[str, float]:
+    if req.scheduled_time is None or req.first_token_time is None:
+        return {}
+    return {"queue_s": req.scheduled_time - req.arrival, "compute_s": req.first_token_time - req.scheduled_time}

@@ -19,7 +19,6 @@ from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from glmserve.services.router import openai_protocol as proto
@@ -65,7 +64,7 @@ def create_app(
     if max_context < 2:
         raise ValueError(f"max_context: must be >= 2, got {max_context}")
     keys = tuple(k.encode() for k in api_keys or ())
-    metrics = RouterMetrics()
+    metrics = RouterMetrics(model_name)
     created = int(time.time())
 
     @asynccontextmanager
@@ -100,6 +99,7 @@ def create_app(
 
     def admit() -> None:
         if not backend.ready():
+            metrics.rejected("no_worker")
             raise service_unavailable()
 
     def hints_of(request: Request, body: dict[str, Any]) -> RequestHints:
@@ -120,7 +120,8 @@ def create_app(
         streamed: Callable[[serving.Generation, OutputProcessor], AsyncIterator[str]],
     ) -> Response:
         params = options.sampling_params(len(prompt_ids), max_context, param)
-        gen = serving.Generation(backend, metrics, rid, prompt_ids, params, request.receive, arrival, hints)
+        gen = serving.Generation(backend, metrics, rid, prompt_ids, params, request.receive, arrival, hints,
+                                 request.url.path)
         processor = OutputProcessor(tokenizer, params, keep_tool_markup=tools is not None)
         if options.stream:
             return StreamingResponse(
@@ -205,10 +206,8 @@ def create_app(
 
     @app.get("/metrics")
     async def metrics_text() -> Response:
-        body, content_type = metrics.render()
-        extra = backend.metrics_registry()
-        if extra is not None:  # distinct metric names: two expositions concatenate into one
-            body += generate_latest(extra)
+        extra = backend.metrics_registry()  # distinct metric names: two expositions concatenate into one
+        body, content_type = metrics.render(*([extra] if extra is not None else []))
         return Response(body, media_type=content_type)
 
     _install_error_handlers(app, metrics)
@@ -216,23 +215,23 @@ def create_app(
 
 
 def _install_error_handlers(app: FastAPI, metrics: RouterMetrics) -> None:
-    def answer(err: APIError) -> JSONResponse:
-        metrics.count(err.status)
+    def answer(request: Request, err: APIError) -> JSONResponse:
+        metrics.count(err.status, request.url.path)
         return JSONResponse(err.to_dict(), status_code=err.status, headers=err.headers)
 
     @app.exception_handler(APIError)
-    async def api_error(_: Request, err: APIError) -> JSONResponse:
-        return answer(err)
+    async def api_error(request: Request, err: APIError) -> JSONResponse:
+        return answer(request, err)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
         if err.status_code == 405:
-            return answer(method_not_allowed(request.method, request.url.path))
+            return answer(request, method_not_allowed(request.method, request.url.path))
         if err.status_code == 404:
-            return answer(not_found(request.url.path))
-        return answer(APIError(err.status_code, str(err.detail)))
+            return answer(request, not_found(request.url.path))
+        return answer(request, APIError(err.status_code, str(err.detail)))
 
     @app.exception_handler(Exception)
-    async def unexpected(_: Request, err: Exception) -> JSONResponse:
+    async def unexpected(request: Request, err: Exception) -> JSONResponse:
         log.exception("unhandled error", exc_info=err)
-        return answer(internal_error("internal server error"))
+        return answer(request, internal_error("internal server error"))

@@ -1,19 +1,23 @@
 """Router metrics (prometheus-client), one `CollectorRegistry` per app so apps and tests never share
-counters. Names follow Prometheus conventions: `glmserve_router_*`, base units, `_total` counters.
+counters. Names follow Prometheus conventions: `glmserve_router_*`, base units, `_total` counters;
+`render()` adds the served `model_name` to every sample (docs/metrics.md lists them all).
+
+`requests_total{endpoint,status}` counts answers of the API routes only (`ENDPOINTS`; a 404 for an
+unknown path is not a request of any endpoint); `request_success_total{finished_reason}` the requests
+that finished generating; `rejections_total{reason}` those refused before any work.
 """
 
 from __future__ import annotations
 
 import time
 
-from prometheus_client import (
-    CONTENT_TYPE_LATEST,
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
-    generate_latest,
-)
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram
+
+from glmserve.services.metrics_exposition import add_process_metrics, labelled, render
+
+ENDPOINTS = {"/v1/chat/completions": "chat_completions", "/v1/completions": "completions", "/v1/models": "models"}
+FINISH_REASONS = ("stop", "length")
+REJECTION_REASONS = ("no_worker",)  # 503 while no prefill or decode worker is ready
 
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12)
@@ -24,7 +28,8 @@ class RouterMetrics:
     """All router metrics; `requests_total` is labelled by the HTTP status answered (499: the client
     went away first, as nginx counts it)."""
 
-    def __init__(self) -> None:
+    def __init__(self, model_name: str = "") -> None:
+        self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.ttft = Histogram(
@@ -46,31 +51,57 @@ class RouterMetrics:
             registry=r,
         )
         self.requests = Counter(
-            "glmserve_router_requests", "Requests answered, by HTTP status.", ["status"], registry=r
+            "glmserve_router_requests", "API requests answered, by endpoint and HTTP status.",
+            ["endpoint", "status"], registry=r
         )
+        self.success = Counter("glmserve_router_request_success", "Requests that finished generating, by why.",
+                               ["finished_reason"], registry=r)
+        self.rejections = Counter("glmserve_router_rejections", "Requests refused before any work, by reason.",
+                                  ["reason"], registry=r)
+        for reason in FINISH_REASONS:
+            self.success.labels(finished_reason=reason)
+        for reason in REJECTION_REASONS:
+            self.rejections.labels(reason=reason)
+        for endpoint in ENDPOINTS.values():
+            self.requests.labels(endpoint=endpoint, status="200")
         self.prompt_tokens = Counter(
             "glmserve_router_prompt_tokens", "Prompt tokens of accepted requests.", registry=r
         )
         self.generation_tokens = Counter("glmserve_router_generation_tokens", "Tokens generated.", registry=r)
         self.running = Gauge("glmserve_router_requests_running", "Requests generating now.", registry=r)
+        add_process_metrics(r, "router")
 
-    def render(self) -> tuple[bytes, str]:
-        """The Prometheus text exposition and its content type."""
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+    def render(self, *more: CollectorRegistry) -> tuple[bytes, str]:
+        """The Prometheus text exposition of these metrics and ``more`` (distinct names), with
+        ``model_name`` on every sample, and its content type."""
+        labels = {"model_name": self.model_name}
+        return b"".join(render(labelled(reg, labels)) for reg in (self.registry, *more)), CONTENT_TYPE_LATEST
 
-    def count(self, status: int) -> None:
-        self.requests.labels(status=str(status)).inc()
+    def count(self, status: int, path: str) -> None:
+        """An answer to ``path``; counted when it is an API endpoint."""
+        endpoint = ENDPOINTS.get(path)
+        if endpoint is not None:
+            self.requests.labels(endpoint=endpoint, status=str(status)).inc()
 
-    def track(self, num_prompt_tokens: int, arrival: float | None = None) -> RequestTracker:
-        """Start timing an accepted request; ``arrival``: its `time.monotonic()` arrival (default now)."""
-        return RequestTracker(self, num_prompt_tokens, arrival)
+    def finished(self, reason: str | None) -> None:
+        if reason in FINISH_REASONS:
+            self.success.labels(finished_reason=reason).inc()
+
+    def rejected(self, reason: str) -> None:
+        self.rejections.labels(reason=reason).inc()
+
+    def track(self, num_prompt_tokens: int, arrival: float | None = None, path: str = "") -> RequestTracker:
+        """Start timing an accepted request to ``path``; ``arrival``: its `time.monotonic()` arrival
+        (default now)."""
+        return RequestTracker(self, num_prompt_tokens, arrival, path)
 
 
 class RequestTracker:
     """Timing of one request: `on_tokens` per backend event with tokens, `finish` exactly once."""
 
-    def __init__(self, metrics: RouterMetrics, num_prompt_tokens: int, arrival: float | None = None) -> None:
-        self._m = metrics
+    def __init__(self, metrics: RouterMetrics, num_prompt_tokens: int, arrival: float | None = None,
+                 path: str = "") -> None:
+        self._m, self._path = metrics, path
         self._start = self._last = time.monotonic() if arrival is None else arrival
         self._first = True
         self._done = False
@@ -98,4 +129,4 @@ class RequestTracker:
         self._done = True
         self._m.e2e.observe(time.monotonic() - self._start)
         self._m.running.dec()
-        self._m.count(status)
+        self._m.count(status, self._path)

@@ -45,8 +45,9 @@ class Generation:
         receive: Receive,
         arrival: float,
         hints: RequestHints | None = None,
+        path: str = "",
     ):
-        self.hints = hints
+        self.hints, self.path = hints, path
         self.backend, self.metrics, self.request_id = backend, metrics, request_id
         self.prompt_ids, self.params, self._receive, self.arrival = prompt_ids, params, receive, arrival
         self.disconnected = False
@@ -65,7 +66,7 @@ class Generation:
         """The backend's events; raises `APIError` on a backend failure; ends quietly (with
         `disconnected` set) when the client went away."""
         # Tracked from here, not from construction: a stream that never starts holds nothing.
-        tracker = self.metrics.track(len(self.prompt_ids), self.arrival)
+        tracker = self.metrics.track(len(self.prompt_ids), self.arrival, self.path)
         watcher = asyncio.create_task(self._watch())
         status: int | None = None  # an error status; else decided in `finally`
         finished = False
@@ -75,6 +76,8 @@ class Generation:
                 async for event in stream:
                     tracker.on_tokens(len(event.token_ids))
                     finished = event.finished
+                    if finished:
+                        self.metrics.finished(event.finish_reason)
                     if event.finish_reason == "error":
                         status = 500
                         raise internal_error(f"generation failed: {event.error}")
