@@ -39,6 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
     launch = sub.add_parser("serve", help="router, prefill and decode workers and kvstore as separate processes")
     _model_arg(launch)
     launch.add_argument("--prefill-workers", type=int, default=1)
+    launch.add_argument("--prefill-stages", type=int, default=1,
+                        help="LayerSplit: stage processes per prefill worker, each holding a contiguous layer range")
+    launch.add_argument("--prefill-layer-split", default=None,
+                        help="LayerSplit: explicit stage ranges, e.g. 0-3,4-7 (default: the placement planner's)")
     launch.add_argument("--decode-workers", type=int, default=1)
     launch.add_argument("--port", type=int, default=8000, help="the router's HTTP port on 127.0.0.1 (0: any free)")
     launch.add_argument("--transfer", choices=["auto", "nixl", "tcp"], default="auto", help="KV transfer backend")

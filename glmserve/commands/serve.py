@@ -44,6 +44,8 @@ class ServeConfig:
     ready_timeout_s: float = 300.0
     grace_s: float = 10.0  # how long a child may take to stop after SIGTERM
     metrics_port_base: int = 0  # kvstore here, prefill-i at +1+i, decode-j after them; 0: free ports
+    prefill_stages: int = 1  # LayerSplit: stage processes per prefill worker
+    prefill_layer_split: str | None = None  # explicit stage ranges (else the planner's)
 
     def __post_init__(self) -> None:
         if not (self.model / "config.json").is_file():
@@ -62,13 +64,31 @@ class ServeConfig:
                              "[1, 65535]")
         if self.ready_timeout_s <= 0:
             raise ValueError(f"ready_timeout_s: must be > 0, got {self.ready_timeout_s}")
+        if self.prefill_stages < 1:
+            raise ValueError(f"prefill_stages: must be >= 1, got {self.prefill_stages}")
+        self.layer_plan()  # ValueError naming prefill_stages or prefill_layer_split
+
+    def layer_plan(self):
+        """The LayerSplit plan every prefill worker's stages follow (None: one process each)."""
+        from glmserve.model.config import GlmConfig  # no torch: the launcher stays light
+        from glmserve.model.layer_split import parse_layer_split, plan_layer_split
+
+        if self.prefill_stages == 1 and self.prefill_layer_split is None:
+            return None
+        config = GlmConfig.from_pretrained(self.model)
+        if self.prefill_layer_split is not None:
+            stages = None if self.prefill_stages == 1 else self.prefill_stages
+            return parse_layer_split(self.prefill_layer_split, config, stages)
+        return plan_layer_split(config, self.prefill_stages)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ServeConfig:
         return cls(args.model.resolve(), args.prefill_workers, args.decode_workers, port=args.port,
                    transfer=args.transfer, redis_url=args.redis_url, api_keys=tuple(args.api_key),
                    ready_timeout_s=args.ready_timeout, host_tier_bytes=args.host_tier_bytes,
-                   metrics_port_base=getattr(args, "metrics_port_base", 0))
+                   metrics_port_base=getattr(args, "metrics_port_base", 0),
+                   prefill_stages=getattr(args, "prefill_stages", 1),
+                   prefill_layer_split=getattr(args, "prefill_layer_split", None))
 
     def metrics_port(self, index: int) -> int | None:
         """The fixed metrics port of child ``index`` (kvstore 0, prefill 1..P, decode after); None: free."""
@@ -242,6 +262,21 @@ class Launcher:
                     child.wait(time.monotonic() + 5)
 
 
+def _start_stages(launcher: Launcher, name: str, split: str, num_stages: int, common: list[str],
+                  metrics_port: int | None) -> list[Child]:
+    """One LayerSplit prefill worker: a process per stage on fixed ports (each is told them all);
+    stage 0, the head, first (it serves Prefill and has the metrics)."""
+    host = launcher.config.host
+    addresses = [f"{host}:{free_port(host)}" for _ in range(num_stages)]
+    children = []
+    for k, address in enumerate(addresses):
+        args = [*common, "--port", address.rsplit(":", 1)[1], "--stage-index", str(k),
+                "--stage-addresses", ",".join(addresses), "--layer-split", split]
+        children.append(launcher.start(name if k == 0 else f"{name}.s{k}", _WORKER_MODULES["prefill"], *args,
+                                       metrics=k == 0, metrics_port=metrics_port))
+    return children
+
+
 def _bring_up(launcher: Launcher) -> str:
     """Start every service; returns the router's URL."""
     cfg = launcher.config
@@ -255,14 +290,24 @@ def _bring_up(launcher: Launcher) -> str:
     kvstore.address = f"{cfg.host}:{kv_port}"
     workers: dict[str, list[Child]] = {"prefill": [], "decode": []}
     first = {"prefill": 1, "decode": 1 + cfg.prefill_workers}
+    plan = cfg.layer_plan()
+    if plan is not None:
+        launcher.say(plan.describe())
+    stages: list[Child] = []  # LayerSplit stages 1.. (each replica's head is its prefill worker)
     for kind, count in (("prefill", cfg.prefill_workers), ("decode", cfg.decode_workers)):
         for i in range(count):
-            workers[kind].append(launcher.start(
-                f"{kind}-{i}", _WORKER_MODULES[kind], "--model", str(cfg.model), "--host", cfg.host,
-                "--port", "0", "--worker-id", f"{kind}-{i}", "--transfer", cfg.transfer,
-                "--kvstore", kvstore.address, metrics_port=cfg.metrics_port(first[kind] + i)))
+            common = ["--model", str(cfg.model), "--host", cfg.host, "--worker-id", f"{kind}-{i}",
+                      "--transfer", cfg.transfer, "--kvstore", kvstore.address]
+            if kind == "prefill" and plan is not None:
+                replica = _start_stages(launcher, f"prefill-{i}", plan.spec(), len(plan.stages), common,
+                                        cfg.metrics_port(first[kind] + i))
+                workers[kind].append(replica[0])
+                stages += replica[1:]
+                continue
+            workers[kind].append(launcher.start(f"{kind}-{i}", _WORKER_MODULES[kind], *common, "--port", "0",
+                                                metrics_port=cfg.metrics_port(first[kind] + i)))
     checks: dict[Child, Callable[[], bool]] = {kvstore: _kvstore_ready(kvstore.address)}
-    checks.update({c: (lambda c=c: c.announced) for group in workers.values() for c in group})
+    checks.update({c: (lambda c=c: c.announced) for group in [*workers.values(), stages] for c in group})
     launcher.wait_ready(checks, deadline)
     router = launcher.start(
         "router", "glmserve.services.router.main", "--model", str(cfg.model), "--host", cfg.host,

@@ -61,9 +61,9 @@ class PrefillConfig(WorkerConfig):
             addresses = self.stage_address_list
             if not 0 <= self.stage_index < len(addresses):
                 raise ValueError(f"stage_index: {self.stage_index} is not one of the {len(addresses)} stages")
-            if addresses[self.stage_index] != f"{self.host}:{self.port}":
+            if not addresses[self.stage_index].endswith(f":{self.port}"):  # its name there may differ (DNS)
                 raise ValueError(f"stage_addresses: stage {self.stage_index} is {addresses[self.stage_index]}, "
-                                 f"but this process listens on {self.host}:{self.port}")
+                                 f"but this process listens on port {self.port}")
 
     @property
     def stage_address_list(self) -> list[str]:

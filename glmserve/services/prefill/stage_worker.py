@@ -25,10 +25,9 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from glmserve.engine.stage_engine import ChunkOutput, PrefillHandoff, chunk_spans, kv_writes
+from glmserve.engine.stage_engine import ChunkOutput, chunk_spans, kv_writes
 from glmserve.kv.transfer import (
     BlockWindow,
     KVTransferBackend,
@@ -36,16 +35,15 @@ from glmserve.kv.transfer import (
     TransferError,
     TransferHandle,
     TransferStamp,
-    verify_stamp,
 )
-from glmserve.services.engine_thread import EngineSnapshot, EngineThread
+from glmserve.services.engine_thread import EngineThread
 from glmserve.services.prefill.activations import ActivationShape, ActivationSlots
-from glmserve.services.prefill.chunk_sender import ChunkSender
+from glmserve.services.prefill.chunk_link import ChunkReceiver, ChunkSender
 from glmserve.services.prefill.history import PrefillHistory
 from glmserve.services.prefill.job import AbortOutcome
 from glmserve.services.prefill.stage_job import NextStage, StageJobSpec, StageOutcome, StageSettings
+from glmserve.services.prefill.stage_state import StageJobState, output_future, stage_snapshot
 from glmserve.services.prefill.write_control import request_cancel, wait_final
-from glmserve.services.stamp_waiter import StampWaiter
 
 if TYPE_CHECKING:
     import torch
@@ -54,41 +52,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-SLOT_QUARANTINE_S = 10.0  # > a cancelled write's drain: a slot granted to a job that ended unfilled
 LINGER_S = 60.0  # an ended job nobody asked about is forgotten after this
-
-
-def _output(job: _Job, chunk: int) -> asyncio.Future[tuple[int, ChunkOutput]]:
-    """Chunk ``chunk``'s outputs for the sender, in chunk order whatever order they are set in."""
-    if chunk not in job.outputs:
-        job.outputs[chunk] = asyncio.get_running_loop().create_future()
-    return job.outputs[chunk]
-
-
-def stage_snapshot(engine: StageEngine) -> EngineSnapshot:
-    pool = engine.pool
-    return EngineSnapshot(loaded=True, running=len(engine.jobs), free_blocks=pool.num_free, used_blocks=pool.num_used,
-                          total_blocks=pool.num_blocks, block_size=engine.config.block_size,
-                          cache_root=engine.kv.root_hash or b"")
-
-
-@dataclass(eq=False)
-class _Job:
-    spec: StageJobSpec
-    peer: str  # the decode worker's KV buffer, through this stage's window
-    outcome: asyncio.Future[StageOutcome]
-    writes: dict[int, tuple[int, range]] = field(default_factory=dict)  # chunk -> (write index, job blocks)
-    num_chunks: int = 0
-    computed: int = 0
-    sent: int = 0
-    handles: list[TransferHandle] = field(default_factory=list)
-    handoff: PrefillHandoff | None = None
-    stopped: str | None = None  # why the job stopped early (abort, failure): queued chunks are skipped
-    ending: bool = False  # no write starts any more
-    recv_slots: set[int] = field(default_factory=set)  # receive slots granted, not yet consumed
-    outputs: dict[int, asyncio.Future[tuple[int, ChunkOutput]]] = field(default_factory=dict)  # for the sender
-    tasks: set[asyncio.Task[None]] = field(default_factory=set)
-    timer: asyncio.TimerHandle | None = None
 
 
 class StageWorker:
@@ -98,12 +62,12 @@ class StageWorker:
         self._engine = EngineThread(engine_factory, name=f"stage-{settings.index}-engine", snapshot_of=stage_snapshot)
         self._kv, self._act = kv_backend, activation_backend
         self.settings, self._next = settings, next_stage
-        self._jobs: dict[tuple[str, int], _Job] = {}
+        self._jobs: dict[tuple[str, int], StageJobState] = {}
         self._history = PrefillHistory()
         self._background: set[asyncio.Task[object]] = set()
         self._slots: ActivationSlots | None = None
-        self._arrivals = StampWaiter(activation_backend.completions)
         self._sender: ChunkSender | None = None
+        self._receiver: ChunkReceiver | None = None
         self._window: BlockWindow | None = None
         self._buffer: torch.Tensor | None = None
         self.activation_target = b""
@@ -130,6 +94,8 @@ class StageWorker:
         self._act.register(self._slots.buffer)
         if self._next is not None:
             self._sender = ChunkSender(self.settings, self._act, self._slots, self._next)
+        if self.settings.index > 0:
+            self._receiver = ChunkReceiver(self.settings.index, self._slots, self._act)
         self.activation_target = self._act.target_info()
 
     @property
@@ -154,7 +120,7 @@ class StageWorker:
         if ident in self._jobs or self._history.refuses(*ident):  # an Abort overtook this Begin
             raise ValueError(f"request {spec.request_id!r} generation {spec.generation} was aborted here")
         loop = asyncio.get_running_loop()
-        job = _Job(spec, peer, loop.create_future())
+        job = StageJobState(spec, peer, loop.create_future())
         self._jobs[ident] = job
         job.timer = loop.call_later(self.settings.job_timeout_s, self._abort_in_background, *ident,
                                     "stage job timed out")
@@ -209,34 +175,21 @@ class StageWorker:
 
     async def slot(self, request_id: str, generation: int, chunk: int) -> int:
         job = self._job(request_id, generation)
-        assert self._slots is not None
-        slot = await self._slots.acquire("recv")
-        if job.ending:  # ended while we waited: nobody will write it
-            self._slots.release(slot)
-            raise ValueError(f"request {request_id!r} generation {generation} has ended on this stage")
-        job.recv_slots.add(slot)
-        return slot
+        assert self._receiver is not None
+        return await self._receiver.grant(job.recv_slots, lambda: not job.ending)
 
     async def chunk(self, request_id: str, generation: int, chunk: int, slot: int, start: int, num_tokens: int,
                     topk_width: int, stamp: bytes) -> None:
         """Chunk ``chunk`` landed in receive ``slot``: check its stamp, copy it out, compute it."""
         job = self._job(request_id, generation)
-        assert self._slots is not None
-        if slot not in job.recv_slots:
-            raise ValueError(f"slot: {slot} was not granted to this job")
-        arrived = TransferStamp.decode(stamp)
-        verify_stamp(arrived, request_id=request_id, generation=generation)
-        if arrived.part is None or (arrived.part.stage, arrived.part.chunk) != (self.settings.index, chunk):
-            raise ValueError(f"stamp: {arrived.part} is not chunk {chunk} for stage {self.settings.index}")
-        await self._arrivals.wait(arrived)
-        hidden, topk = self._slots.unpack(slot, num_tokens, topk_width)
-        job.recv_slots.discard(slot)
-        self._slots.release(slot)
+        assert self._receiver is not None
+        hidden, topk = await self._receiver.take(job.recv_slots, request_id, generation, chunk, slot, num_tokens,
+                                                 topk_width, stamp)
         self._compute(job, chunk, start, num_tokens, hidden, topk)
 
     # --- computing and shipping -------------------------------------------------------------------
 
-    def _compute(self, job: _Job, i: int, start: int, n: int, hidden: torch.Tensor | None,
+    def _compute(self, job: StageJobState, i: int, start: int, n: int, hidden: torch.Tensor | None,
                  topk: torch.Tensor | None) -> None:
         key, write = job.spec.key, job.writes.get(i)
 
@@ -249,7 +202,7 @@ class StageWorker:
         future = self._engine.submit(run)
         self._spawn(job, self._after(job, i, start, future))
 
-    async def _after(self, job: _Job, i: int, start: int, future: asyncio.Future) -> None:
+    async def _after(self, job: StageJobState, i: int, start: int, future: asyncio.Future) -> None:
         try:
             result = await future
         except Exception as e:  # the engine failed the chunk (a bug or a bad input): fail the job
@@ -261,13 +214,13 @@ class StageWorker:
         if out.handoff is not None:
             job.handoff = out.handoff
         if not self.settings.is_last:
-            _output(job, i).set_result((start, out))
+            output_future(job, i).set_result((start, out))
         job.computed += 1
         if i in job.writes:
             await self._write_kv(job, job.writes[i], src)
         self._maybe_done(job)
 
-    async def _write_kv(self, job: _Job, write: tuple[int, range], src: list[int]) -> None:
+    async def _write_kv(self, job: StageJobState, write: tuple[int, range], src: list[int]) -> None:
         w, blocks = write
         spec, s = job.spec, self.settings
         assert self._window is not None and self._buffer is not None
@@ -285,7 +238,7 @@ class StageWorker:
             return
         self._track(job, handle)
 
-    def _track(self, job: _Job, handle: TransferHandle) -> None:
+    def _track(self, job: StageJobState, handle: TransferHandle) -> None:
         job.handles.append(handle)
 
         async def watch() -> None:
@@ -296,12 +249,12 @@ class StageWorker:
 
         self._spawn(job, watch())
 
-    async def _send_all(self, job: _Job) -> None:
+    async def _send_all(self, job: StageJobState) -> None:
         """The sender: each computed chunk's outputs to the next stage, in order."""
         assert self._sender is not None
         spec = job.spec
         for i in range(job.num_chunks):
-            start, out = await _output(job, i)
+            start, out = await output_future(job, i)
             if job.stopped is not None:
                 return
             try:
@@ -316,12 +269,12 @@ class StageWorker:
 
     # --- ending -----------------------------------------------------------------------------------
 
-    def _maybe_done(self, job: _Job) -> None:
+    def _maybe_done(self, job: StageJobState) -> None:
         sent = self.settings.is_last or job.sent == job.num_chunks
         if job.num_chunks and job.computed == job.num_chunks and sent and all(h.state == "done" for h in job.handles):
             self._end(job, StageOutcome(True, handoff=job.handoff))
 
-    def _stop(self, job: _Job, outcome: StageOutcome) -> None:
+    def _stop(self, job: StageJobState, outcome: StageOutcome) -> None:
         """End early (abort, failure): skip queued chunks, cancel what is in flight."""
         if job.ending:
             return
@@ -331,7 +284,7 @@ class StageWorker:
                 request_cancel(self._backend_of(handle), handle)
         self._end(job, outcome)
 
-    def _end(self, job: _Job, outcome: StageOutcome) -> None:
+    def _end(self, job: StageJobState, outcome: StageOutcome) -> None:
         """Once: no write starts any more; when every write is final, release the blocks and
         settle the outcome."""
         if job.ending:
@@ -341,7 +294,7 @@ class StageWorker:
             job.timer.cancel()
         self._spawn(job, self._settle(job, outcome))
 
-    async def _settle(self, job: _Job, outcome: StageOutcome) -> None:
+    async def _settle(self, job: StageJobState, outcome: StageOutcome) -> None:
         for handle in list(job.handles):
             await wait_final(handle)
         for task in list(job.tasks):  # a sender waiting for chunks that will not come
@@ -351,9 +304,8 @@ class StageWorker:
         ok = outcome.ok and all(h.state == "done" for h in job.handles)
         key = job.spec.key
         await self._engine.submit(lambda e: e.release(key) if ok else e.abort(key))
-        if job.recv_slots:  # granted but never filled: the previous stage's write may still land
-            slots, job.recv_slots = list(job.recv_slots), set()
-            asyncio.get_running_loop().call_later(SLOT_QUARANTINE_S, self._release_slots, slots)
+        if self._receiver is not None:
+            self._receiver.release_later(job.recv_slots)
         self._history.record(job.spec.request_id, job.spec.generation, drained)
         if not ok and outcome.ok:
             outcome = StageOutcome(False, "a write failed", drained)
@@ -364,12 +316,7 @@ class StageWorker:
         sent = self._sender is not None and handle.peer == self._sender.peer
         return self._act if sent else self._kv
 
-    def _release_slots(self, slots: list[int]) -> None:
-        assert self._slots is not None
-        for slot in slots:
-            self._slots.release(slot)
-
-    def _drop(self, job: _Job) -> None:
+    def _drop(self, job: StageJobState) -> None:
         """Forget a job that never got going (begin or admit failed): nothing of it was written."""
         job.ending = True
         if job.timer is not None:
@@ -380,18 +327,18 @@ class StageWorker:
         key = job.spec.key
         self._engine.submit_nowait(lambda e: e.abort(key))
 
-    def _forget(self, job: _Job) -> None:
+    def _forget(self, job: StageJobState) -> None:
         ident = (job.spec.request_id, job.spec.generation)
         if self._jobs.get(ident) is job:
             del self._jobs[ident]
 
-    def _job(self, request_id: str, generation: int) -> _Job:
+    def _job(self, request_id: str, generation: int) -> StageJobState:
         job = self._jobs.get((request_id, generation))
         if job is None:
             raise KeyError(f"request {request_id!r} generation {generation} is not running on this stage")
         return job
 
-    def _spawn(self, job: _Job, coro) -> None:
+    def _spawn(self, job: StageJobState, coro) -> None:
         task = asyncio.create_task(coro)
         job.tasks.add(task)
         task.add_done_callback(job.tasks.discard)

@@ -1,0 +1,49 @@
+"""What a LayerSplit stage tracks about one job while it runs (`StageJobState`), and the stage
+engine's counters as an `EngineSnapshot` (Health, metrics)."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from glmserve.engine.stage_engine import ChunkOutput, PrefillHandoff
+from glmserve.kv.transfer import TransferHandle
+from glmserve.services.engine_thread import EngineSnapshot
+from glmserve.services.prefill.stage_job import StageJobSpec, StageOutcome
+
+if TYPE_CHECKING:
+    from glmserve.engine.stage_engine import StageEngine
+
+
+@dataclass(eq=False)
+class StageJobState:
+    spec: StageJobSpec
+    peer: str  # the decode worker's KV buffer, through this stage's window
+    outcome: asyncio.Future[StageOutcome]
+    writes: dict[int, tuple[int, range]] = field(default_factory=dict)  # chunk -> (write index, job blocks)
+    num_chunks: int = 0
+    computed: int = 0
+    sent: int = 0
+    handles: list[TransferHandle] = field(default_factory=list)
+    handoff: PrefillHandoff | None = None
+    stopped: str | None = None  # why the job stopped early (abort, failure): queued chunks are skipped
+    ending: bool = False  # no write starts any more
+    recv_slots: set[int] = field(default_factory=set)  # receive slots granted, not yet consumed
+    outputs: dict[int, asyncio.Future[tuple[int, ChunkOutput]]] = field(default_factory=dict)  # for the sender
+    tasks: set[asyncio.Task[None]] = field(default_factory=set)
+    timer: asyncio.TimerHandle | None = None
+
+
+def output_future(job: StageJobState, chunk: int) -> asyncio.Future[tuple[int, ChunkOutput]]:
+    """Chunk ``chunk``'s outputs for the sender, in chunk order whatever order they are set in."""
+    if chunk not in job.outputs:
+        job.outputs[chunk] = asyncio.get_running_loop().create_future()
+    return job.outputs[chunk]
+
+
+def stage_snapshot(engine: StageEngine) -> EngineSnapshot:
+    pool = engine.pool
+    return EngineSnapshot(loaded=True, running=len(engine.jobs), free_blocks=pool.num_free, used_blocks=pool.num_used,
+                          total_blocks=pool.num_blocks, block_size=engine.config.block_size,
+                          cache_root=engine.kv.root_hash or b"")
