@@ -25,12 +25,14 @@ the same bytes as one process.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from glmserve.engine.engine import EngineConfig
+from glmserve.engine.host_offload import HostOffload, HostWrite
 from glmserve.engine.kv_cache_manager import KVCacheManager, prefix_cache_root
 from glmserve.engine.model_runner import ModelRunner
 from glmserve.engine.request import Request
@@ -108,7 +110,8 @@ class StageEngine:
         if num_blocks < 2:
             raise ValueError(f"kv_cache_bytes: {config.kv_cache_bytes} B holds fewer than 2 blocks")
         self.cache = PagedKVCache(self.layout, num_blocks + config.host_staging_blocks)
-        self.pool = BlockPool(num_blocks)
+        self.pool = BlockPool(num_blocks, on_evict=self._evicted)
+        self.host: HostOffload | None = None
         root = prefix_cache_root(model.dtype, config, revision, tokenizer_digest) if config.prefix_caching else None
         self.kv = KVCacheManager(self.pool, config.block_size, root)
         self.runner = ModelRunner(model, self.cache)
@@ -127,6 +130,21 @@ class StageEngine:
     def has_unfinished(self) -> bool:
         """No step loop: the stage computes on commands (an `EngineThread` then just serves them)."""
         return False
+
+    def attach_host(self, write_through: bool, notify: Callable[[HostWrite], None],
+                    on_drop: Callable[[], None] | None = None) -> HostOffload:
+        """The host tier's engine side, as `Engine.attach_host`: this stage's rows (its slice of
+        each block) are written through, demoted and loaded back."""
+        if self.kv.root_hash is None:
+            raise ValueError("prefix_caching: the host tier needs prefix caching on")
+        self.host = HostOffload(self.pool, self.cache.buffer, self.config.host_staging_blocks,
+                                write_through=write_through, notify=notify, on_drop=on_drop)
+        self.kv.on_free = self.host.on_free
+        return self.host
+
+    def _evicted(self, block_id: int, block_hash: bytes) -> None:
+        if self.host is not None:
+            self.host.on_evict(block_id, block_hash)
 
     # --- a job's life -----------------------------------------------------------------------------
 

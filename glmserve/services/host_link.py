@@ -10,6 +10,10 @@ commits them once done (or gives them back once drained; a write that could not 
 drained leaves its lease to the kvstore's timeout). The engine gets its rows back when the write
 is final.
 
+A LayerSplit stage's rows are its slice of the host tier's whole-model blocks (``start`` with the
+slice): it writes only that slice of each block, as its part (``part``: the host stores a block
+once every stage's part landed), and loads back only that slice.
+
 Load-back (prefill): ``load`` finds the prompt's blocks that are on the host but not on device,
 pins the device hits and allocates destination blocks (`HostOffload.begin_load`), and asks the
 kvstore to write them (``host_load``; stamp (engine key, generation), checked on arrival). On
@@ -31,7 +35,7 @@ from typing import TYPE_CHECKING
 from glmserve.core.block_hash import block_hashes, reusable_blocks
 from glmserve.engine.host_offload import HostWrite
 from glmserve.kv.host_pool import write_stamp
-from glmserve.kv.transfer import KVTransferBackend, TransferError, TransferStamp
+from glmserve.kv.transfer import BlockWindow, KVTransferBackend, TransferError, TransferStamp
 from glmserve.services.engine_thread import EngineThread
 from glmserve.services.host_metrics import HostTierMetrics
 from glmserve.services.kvstore.client import AsyncKVStoreClient, HostAttachment, KVStoreError
@@ -82,7 +86,9 @@ class Loaded:
 
 class HostLink:
     def __init__(self, settings: HostSettings, backend: KVTransferBackend, engine: EngineThread,
-                 metrics: HostTierMetrics | None, *, rpc_timeout_s: float = 2.0) -> None:
+                 metrics: HostTierMetrics | None, *, rpc_timeout_s: float = 2.0,
+                 part: tuple[int, int] | None = None) -> None:
+        """``part``: (stage, stages) of a LayerSplit stage (its writes are that part of each block)."""
         self.address, self.worker_id = settings.address, settings.worker_id
         self._backend, self._engine, self.metrics = backend, engine, metrics
         self._write_through, self._load_timeout_s = settings.write_through, settings.load_timeout_s
@@ -93,17 +99,21 @@ class HostLink:
         self._block_size = self._block_bytes = 0
         self._tasks: set[asyncio.Task[None]] = set()
         self._stamps = StampWaiter(backend.completions)
+        self._part, self._row_offset, self._row_bytes = part, 0, 0
         self.ready = False
 
     # -- setup --------------------------------------------------------------------------------------
 
-    async def start(self, buffer: torch.Tensor) -> bool:
-        """Attach to the host tier (after ``backend.register(buffer)``); False, logged, if it cannot."""
+    async def start(self, buffer: torch.Tensor, row_offset: int = 0, row_bytes: int = 0) -> bool:
+        """Attach to the host tier (after ``backend.register(buffer)``); False, logged, if it cannot.
+        ``row_offset``/``row_bytes``: our rows are that slice of whole-model blocks (a stage)."""
         self._client = AsyncKVStoreClient(self.address, timeout_s=self._rpc_timeout_s)
         self._block_bytes = buffer[0].numel() * buffer.element_size()
+        self._row_offset, self._row_bytes = row_offset, row_bytes
+        window = BlockWindow(0, row_offset, self._block_bytes) if row_bytes else None
         try:
             attachment = await self._attach()
-            self._peer = await asyncio.to_thread(self._backend.connect, attachment.target_info)
+            self._peer = await asyncio.to_thread(self._backend.connect, attachment.target_info, window)
         except (KVStoreError, TransferError, ValueError, OSError) as e:
             log.warning("host tier at %s not used: %s", self.address, e)
             return False
@@ -126,7 +136,8 @@ class HostLink:
         while True:
             try:
                 return await self._client.host_attach(self.worker_id, self._backend.kind, self._block_bytes,
-                                                      self._backend.target_info())
+                                                      self._backend.target_info(), self._row_offset,
+                                                      self._row_bytes)
             except KVStoreError as e:
                 if not e.unavailable or time.monotonic() > deadline:
                     raise
@@ -162,7 +173,7 @@ class HostLink:
 
     async def _copy(self, write: HostWrite) -> list[bytes]:
         assert self._client is not None and self._peer is not None
-        grant = await self._client.host_begin_write(self.worker_id, write.hashes)
+        grant = await self._client.host_begin_write(self.worker_id, write.hashes, self._part)
         if not grant.lease_id:
             return []
         row_of = dict(zip(write.hashes, write.rows, strict=True))

@@ -8,6 +8,7 @@ stage's address); ``ready()`` waits for each READY line; ``stage_health(k)`` is 
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 import grpc
@@ -52,9 +53,15 @@ class Replica:
         return self.addresses[0]
 
     def ready(self, timeout_s: float = 120.0) -> Replica:
+        """Every stage printed READY, and the head says the replica is ready (it checked the others)."""
+        deadline = time.monotonic() + timeout_s
         for k, stage in enumerate(self.stages):
             if stage.address is None:
                 stage.address = read_ready_address(stage.proc, stage.log, f"stage {k}", timeout_s)
+        while not self.head.health().ready:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the replica's head did not become ready:\n{self.head.log.read_text()}")
+            time.sleep(0.1)
         return self
 
     def stage_health(self, k: int):

@@ -171,3 +171,40 @@ def test_cancellation_storm_leaks_nothing(cluster, oracle):
     _wait_idle(replica, decode, free)
     aborts = sum(v for k, v in replica.head.metrics().items() if k[0] == "glmserve_aborts_total")
     assert aborts > 0  # the head was told, and told every stage
+
+
+@pytest.mark.slow
+def test_host_tier_holds_whole_blocks_and_each_stage_loads_back_its_slice(oracle, tmp_path):
+    """Each stage writes its slice of every prompt block through to the kvstore's host tier (the
+    block is stored once both slices landed) and the decode worker its whole blocks; a fresh
+    replica (empty device tiers) gets the same cached tokens from the host, each stage loading
+    only its slice, and the same greedy tokens; the next turn reuses the block decode wrote."""
+    from host_tier_fixtures import HostKVStore
+
+    from glmserve.core.block_hash import reusable_blocks
+
+    kvstore = HostKVStore(tmp_path / "kvstore.log", KIND, 64 << 20, "--check-integrity", start_timeout_s=120.0)
+    host = ("--kvstore", kvstore.address, "--check-integrity")
+    decode = WorkerProcess.launch("decode", KIND, tmp_path / "decode.log", *host)
+    replica = Replica.launch(2, KIND, tmp_path, *STAGE_FLAGS, *host, name="hosted")
+    try:
+        replica.ready(300), decode.ready(300)
+        rng = random.Random(6)
+        prompt = [rng.randrange(10, 8000) for _ in range(634)]  # 9 reusable blocks
+        reusable = reusable_blocks(len(prompt), 64) * 64
+        run = lambda rid, p: asyncio.run(_run_all(decode, [(rid, p, {})], replica.address))[0]  # noqa: E731
+        cold = run("cold", prompt)
+        assert cold.tokens == oracle(prompt) and cold.num_cached_tokens == 0
+        decoded = (len(prompt) + len(cold.tokens) - 1) // 64
+        assert kvstore.wait_metric("glmserve_host_tier_blocks", lambda v: v >= decoded) == decoded
+        assert replica.stop() == [0, 0]
+        replica = Replica.launch(2, KIND, tmp_path, *STAGE_FLAGS, *host, name="hosted").ready(300)
+        again = run("from-host", prompt)
+        assert (again.tokens, again.num_cached_tokens) == (cold.tokens, reusable)
+        turn = prompt + cold.tokens + [rng.randrange(10, 8000) for _ in range(20)]
+        nxt = run("turn2", turn)
+        assert nxt.tokens == oracle(turn) and nxt.num_cached_tokens == decoded * 64
+        assert kvstore.wait_metric("glmserve_host_tier_pinned_blocks", lambda v: v == 0) == 0
+    finally:
+        codes = [decode.stop(), *replica.stop(), kvstore.stop()]
+    assert codes == [0] * len(codes)

@@ -261,3 +261,15 @@ def test_sampling_round_trip():
         assert back.seed is None or back.seed % 2**64 == params.seed % 2**64  # same torch generator
     with pytest.raises(ValueError, match="max_tokens"):
         from_proto(to_proto(GREEDY).__class__())  # an empty message: max_tokens 0
+
+
+def test_transfer_timeline_counts_overlapping_writes_once_and_what_outlived_compute():
+    from glmserve.services.prefill.stage_job import StageOutcome
+    from glmserve.services.prefill.transfer_timeline import TransferTimeline
+
+    stage0 = StageOutcome(True, computed_at=5.0, writes=((1.0, 2.0, 10), (4.0, 6.0, 10)))
+    stage1 = StageOutcome(True, computed_at=8.0, writes=((1.5, 3.0, 5), (7.5, 9.0, 5)))
+    t = TransferTimeline.of([stage0, stage1])
+    assert (t.busy_s, t.exposed_s, t.num_bytes) == (2.0 + 2.0 + 1.5, 1.0, 30)  # [1,3] + [4,6] + [7.5,9]
+    assert abs(t.hidden - (1 - 1.0 / 5.5)) < 1e-12
+    assert TransferTimeline.of([StageOutcome(True, computed_at=1.0)]).hidden == 1.0

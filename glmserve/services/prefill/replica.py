@@ -44,6 +44,7 @@ from glmserve.services.prefill.job import (
 from glmserve.services.prefill.stage_client import LocalStage, StageCallError, StagePort
 from glmserve.services.prefill.stage_job import DEFAULT_STREAM_MIN_TOKENS, StageJobSpec, StageOutcome
 from glmserve.services.prefill.stage_worker import StageWorker
+from glmserve.services.prefill.transfer_timeline import TimelineMetrics, TransferTimeline
 from glmserve.services.worker_metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
@@ -77,6 +78,7 @@ class StagedPrefill:
         """``others``: stages 1 .. N-1 of the replica, in order."""
         self._local, self._stages = local, [LocalStage(local), *others]
         self._settings, self.metrics = settings, metrics
+        self._timeline = TimelineMetrics(metrics.registry) if metrics is not None else None
         self._history = PrefillHistory(history_ttl_s)
         self._jobs: dict[tuple[str, int], _Job] = {}
         self._background: set[asyncio.Task[object]] = set()
@@ -156,11 +158,22 @@ class StagedPrefill:
             handoff = outcomes[-1].handoff
             if handoff is None:
                 raise PrefillFailed("the last stage ended without a first token", drained=True)
+            self._observe(outcomes)
             return PrefillResult(handoff.first_token, handoff.first_logprob, handoff.mtp_hidden,
                                  TransferStamp(rid, gen), num_cached, num_stages=len(self._stages))
         finally:
             self._history.record(rid, gen, job.drained)
             del self._jobs[(rid, gen)]
+
+    def _observe(self, outcomes: list[StageOutcome]) -> None:
+        if self.metrics is None or self._timeline is None:
+            return
+        timeline = TransferTimeline.of(outcomes)
+        self._timeline.observe(timeline)
+        self.metrics.transfer_bytes.inc(timeline.num_bytes)
+        for o in outcomes:
+            for started, finished, _ in o.writes:
+                self.metrics.transfer_seconds.observe(finished - started)
 
     async def _on_all(self, job: _Job, step: str, call: Callable[[StagePort], Awaitable[T]]) -> list[T]:
         """``call`` on every stage at once; the first failure aborts the job on every stage."""

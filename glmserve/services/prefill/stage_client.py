@@ -95,6 +95,7 @@ _CODES = {
 }
 # A restarted stage at the same address is used again within ~2 s.
 _CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 2000)]
+BEGIN_WAIT_S = 30.0
 
 
 def _id(request_id: str, generation: int) -> common_pb.TransferId:
@@ -110,9 +111,10 @@ class GrpcStage:
         self._channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
         self._stub = pb_grpc.StageStub(self._channel)
 
-    async def _call(self, rpc: Callable[..., Awaitable[T]], request: object, timeout_s: float | None = None) -> T:
+    async def _call(self, rpc: Callable[..., Awaitable[T]], request: object, timeout_s: float | None = None,
+                    wait_for_ready: bool = False) -> T:
         try:
-            return await rpc(request, timeout=timeout_s or self._timeout_s)
+            return await rpc(request, timeout=timeout_s or self._timeout_s, wait_for_ready=wait_for_ready)
         except grpc.aio.AioRpcError as e:
             code = _CODES.get(e.code(), "error")
             raise StageCallError(code, f"{self.name}: {e.code().name}: {e.details()}") from None
@@ -122,7 +124,10 @@ class GrpcStage:
             transfer=_id(spec.request_id, spec.generation), prompt_ids=list(spec.prompt_ids),
             sampling=to_proto(spec.params), decode_target=spec.decode_target,
             dest_block_ids=list(spec.dest_block_ids), checksum=spec.checksum, cache_salt=spec.cache_salt)
-        return (await self._call(self._stub.Begin, request)).num_cached_tokens
+        # A job's first call rides out a reconnect (a stage that just came back): a stage that stays
+        # gone fails it within BEGIN_WAIT_S; later calls fail at once.
+        reply = await self._call(self._stub.Begin, request, BEGIN_WAIT_S, wait_for_ready=True)
+        return reply.num_cached_tokens
 
     async def admit(self, request_id: str, generation: int, num_cached: int, chunk_tokens: int, stream: bool) -> None:
         await self._call(self._stub.Admit, stage_pb2.StageAdmit(
@@ -136,7 +141,8 @@ class GrpcStage:
         if reply.has_first_token:
             logprob = reply.first_logprob if reply.HasField("first_logprob") else None
             handoff = PrefillHandoff(reply.first_token, logprob, reply.mtp_hidden)
-        return StageOutcome(reply.ok, reply.error, reply.drained, handoff)
+        writes = tuple(zip(reply.write_started, reply.write_finished, reply.write_bytes, strict=True))
+        return StageOutcome(reply.ok, reply.error, reply.drained, handoff, reply.computed_at, writes)
 
     async def abort(self, request_id: str, generation: int, reason: str) -> bool | None:
         request = prefill_pb2.AbortRequest(transfer=_id(request_id, generation), reason=reason)

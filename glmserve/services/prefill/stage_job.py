@@ -40,6 +40,8 @@ class StageOutcome:
     error: str = ""
     drained: bool = True
     handoff: PrefillHandoff | None = None
+    computed_at: float = 0.0  # time.monotonic() when its last chunk was computed
+    writes: tuple[tuple[float, float, int], ...] = ()  # its KV writes: (started, finished, bytes)
 
 
 @dataclass(frozen=True)

@@ -7,11 +7,13 @@ which every stage computes alike), and prints the plan when it starts. Each load
 weights and holds only their KV. Stage 0, the head, serves ``glmserve.prefill.v1.Prefill`` to
 decode workers (`StagedPrefill`) under ``--worker-id``; every stage serves
 ``glmserve.prefill.v1.Stage``. Block events go to the kvstore index under the stage's own holder
-id (`stage_worker_id`), so the index counts a block held by the replica once every stage holds it.
+id (`stage_worker_id`), so the index counts a block held by the replica once every stage holds it;
+with ``--kvstore`` each stage also uses the host tier for its slice of every block (`HostLink`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import TYPE_CHECKING
 
@@ -50,7 +52,9 @@ async def serve_stage(config: PrefillConfig) -> int:
     assert index is not None
     log.info("%s\nthis process: stage %d at %s", plan.describe(), index, addresses[index])
     settings = StageSettings(plan, index, chunk_tokens=config.chunk_tokens, stream_min_tokens=config.stream_min_tokens)
-    publisher = start_block_events(config.kvstore, stage_worker_id(config.worker_id, index, len(addresses)))
+    holder = stage_worker_id(config.worker_id, index, len(addresses))  # this stage in the index and the host tier
+    publisher = start_block_events(config.kvstore, holder)
+    host = config.host_settings()
 
     def engine():
         from glmserve.engine.stage_engine import StageEngine  # torch: imported on the engine thread
@@ -64,7 +68,8 @@ async def serve_stage(config: PrefillConfig) -> int:
     kv = build_backend(config.transfer, config.host, config.transfer_timeout_s)
     activations = build_backend(kv.kind, config.host, config.transfer_timeout_s)
     following = GrpcStage(addresses[index + 1], index + 1) if not settings.is_last else None
-    worker = StageWorker(engine, kv, activations, settings, following)
+    worker = StageWorker(engine, kv, activations, settings, following,
+                         host=dataclasses.replace(host, worker_id=holder) if host is not None else None)
     stage_servicer = StageServicer(worker)
     name = f"prefill stage {index}/{len(addresses)} of {config.worker_id} (layers {settings.layers.start}-" \
            f"{settings.layers.stop - 1}, {kv.kind} transfer)"

@@ -69,7 +69,11 @@ class StageServicer(pb_grpc.StageServicer):
             task = asyncio.ensure_future(self._worker.abort(t.request_id, t.generation, "the head went away"))
             task.add_done_callback(lambda f: f.exception())
             raise
-        reply = stage_pb2.StageFinishReply(ok=outcome.ok, error=outcome.error, drained=outcome.drained)
+        reply = stage_pb2.StageFinishReply(ok=outcome.ok, error=outcome.error, drained=outcome.drained,
+                                           computed_at=outcome.computed_at,
+                                           write_started=[w[0] for w in outcome.writes],
+                                           write_finished=[w[1] for w in outcome.writes],
+                                           write_bytes=[w[2] for w in outcome.writes])
         if outcome.handoff is not None:
             h = outcome.handoff
             reply.has_first_token, reply.first_token, reply.mtp_hidden = True, h.first_token, h.mtp_hidden

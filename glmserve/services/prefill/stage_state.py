@@ -25,10 +25,14 @@ class StageJobState:
     num_chunks: int = 0
     computed: int = 0
     sent: int = 0
-    handles: list[TransferHandle] = field(default_factory=list)
+    handles: list[TransferHandle] = field(default_factory=list)  # every write: KV and chunk outputs
+    kv_handles: list[TransferHandle] = field(default_factory=list)  # its KV writes to the decode worker
+    computed_at: float = 0.0
     handoff: PrefillHandoff | None = None
     stopped: str | None = None  # why the job stopped early (abort, failure): queued chunks are skipped
     ending: bool = False  # no write starts any more
+    loading: bool = False  # a host-tier load-back into its blocks is running
+    settled: asyncio.Event = field(default_factory=asyncio.Event)  # admitted, or ended: chunks may come
     recv_slots: set[int] = field(default_factory=set)  # receive slots granted, not yet consumed
     outputs: dict[int, asyncio.Future[tuple[int, ChunkOutput]]] = field(default_factory=dict)  # for the sender
     tasks: set[asyncio.Task[None]] = field(default_factory=set)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -37,6 +38,7 @@ from glmserve.kv.transfer import (
     TransferStamp,
 )
 from glmserve.services.engine_thread import EngineThread
+from glmserve.services.host_link import HostLink, HostSettings, LoadAborted, Loaded
 from glmserve.services.prefill.activations import ActivationShape, ActivationSlots
 from glmserve.services.prefill.chunk_link import ChunkReceiver, ChunkSender
 from glmserve.services.prefill.history import PrefillHistory
@@ -58,7 +60,8 @@ LINGER_S = 60.0  # an ended job nobody asked about is forgotten after this
 class StageWorker:
     def __init__(self, engine_factory: Callable[[], StageEngine], kv_backend: KVTransferBackend,
                  activation_backend: KVTransferBackend, settings: StageSettings,
-                 next_stage: NextStage | None) -> None:
+                 next_stage: NextStage | None, host: HostSettings | None = None) -> None:
+        """``host``: this stage's slices of the kvstore's host tier (load-back, write-through)."""
         self._engine = EngineThread(engine_factory, name=f"stage-{settings.index}-engine", snapshot_of=stage_snapshot)
         self._kv, self._act = kv_backend, activation_backend
         self.settings, self._next = settings, next_stage
@@ -68,6 +71,8 @@ class StageWorker:
         self._slots: ActivationSlots | None = None
         self._sender: ChunkSender | None = None
         self._receiver: ChunkReceiver | None = None
+        part = (settings.index, settings.num_stages) if settings.num_stages > 1 else None
+        self._host = HostLink(host, kv_backend, self._engine, None, part=part) if host is not None else None
         self._window: BlockWindow | None = None
         self._buffer: torch.Tensor | None = None
         self.activation_target = b""
@@ -86,10 +91,13 @@ class StageWorker:
             c = e.model.config
             shape = ActivationShape(self.settings.chunk_tokens, c.hidden_size, e.model.dtype, c.index_topk)
             window = BlockWindow(0, e.block_offset, e.layout.bytes_per_block)
-            return e.cache.buffer, shape, window
+            return e.cache.buffer, shape, window, e.whole_block_bytes
 
-        self._buffer, shape, self._window = await self._engine.submit(setup)
+        self._buffer, shape, self._window, whole = await self._engine.submit(setup)
         self._kv.register(self._buffer)
+        if self._host is not None:  # our rows: a slice of the host tier's whole-model blocks
+            sliced = whole != self._window.length
+            await self._host.start(self._buffer, self._window.dst_offset if sliced else 0, whole if sliced else 0)
         self._slots = ActivationSlots(shape, self.settings.slots, self.settings.slots)
         self._act.register(self._slots.buffer)
         if self._next is not None:
@@ -125,11 +133,40 @@ class StageWorker:
         job.timer = loop.call_later(self.settings.job_timeout_s, self._abort_in_background, *ident,
                                     "stage job timed out")
         try:
-            return await self._engine.submit(lambda e: e.begin(spec.key, list(spec.prompt_ids), spec.params,
-                                                               spec.cache_salt or None))
+            loaded = await self._load(job)
+            if job.ending:  # aborted during the load
+                if loaded is not None:
+                    self._host.release(loaded.key)
+                raise ValueError(f"request {spec.request_id!r} generation {spec.generation} was aborted here")
+
+            def begin(e: StageEngine) -> int:
+                start = lambda: e.begin(spec.key, list(spec.prompt_ids), spec.params, spec.cache_salt or None)  # noqa: E731
+                return start() if loaded is None else loaded.apply(e, start)
+
+            return await self._engine.submit(begin)
         except BaseException:
-            self._drop(job)
+            if not job.ending:
+                self._drop(job)
             raise
+
+    def _load_key(self, job: StageJobState) -> str:
+        """Every stage loads its own slices of the same blocks at once: one load id each."""
+        return f"{job.spec.key}#stage{self.settings.index}"
+
+    async def _load(self, job: StageJobState) -> Loaded | None:
+        """This stage's slices of the prompt's host-only blocks, loaded into its blocks (None: none,
+        or the load failed: the prompt is then computed)."""
+        if self._host is None or not self._host.ready:
+            return None
+        job.loading = True
+        try:
+            return await self._host.load(self._load_key(job), job.spec.generation, job.spec.prompt_ids,
+                                         salt=job.spec.cache_salt or None)
+        except LoadAborted as e:
+            log.info("%s: no host blocks: %s", job.spec.key, e)
+            return None
+        finally:
+            job.loading = False
 
     async def admit(self, request_id: str, generation: int, num_cached: int, chunk_tokens: int, stream: bool) -> None:
         """Raises `OutOfBlocks` (nothing held then) or ValueError."""
@@ -146,6 +183,7 @@ class StageWorker:
         job.num_chunks = len(spans)
         plan = kv_writes(num_cached, n, chunk_tokens, bs, stream)
         job.writes = {chunk: (w, blocks) for w, (chunk, blocks) in enumerate(plan)}
+        job.settled.set()  # the previous stage's chunks may arrive before our Admit did
         if self.settings.index == 0:
             for i, (start, count) in enumerate(spans):
                 self._compute(job, i, start, count, None, None)
@@ -185,6 +223,9 @@ class StageWorker:
         assert self._receiver is not None
         hidden, topk = await self._receiver.take(job.recv_slots, request_id, generation, chunk, slot, num_tokens,
                                                  topk_width, stamp)
+        await job.settled.wait()
+        if job.ending:
+            raise ValueError(f"request {request_id!r} generation {generation} has ended on this stage")
         self._compute(job, chunk, start, num_tokens, hidden, topk)
 
     # --- computing and shipping -------------------------------------------------------------------
@@ -216,6 +257,8 @@ class StageWorker:
         if not self.settings.is_last:
             output_future(job, i).set_result((start, out))
         job.computed += 1
+        if job.computed == job.num_chunks:
+            job.computed_at = time.monotonic()
         if i in job.writes:
             await self._write_kv(job, job.writes[i], src)
         self._maybe_done(job)
@@ -236,6 +279,7 @@ class StageWorker:
         except (TransferError, ValueError) as e:
             self._stop(job, StageOutcome(False, f"stage {s.index}: KV write could not start: {e}"))
             return
+        job.kv_handles.append(handle)
         self._track(job, handle)
 
     def _track(self, job: StageJobState, handle: TransferHandle) -> None:
@@ -272,13 +316,16 @@ class StageWorker:
     def _maybe_done(self, job: StageJobState) -> None:
         sent = self.settings.is_last or job.sent == job.num_chunks
         if job.num_chunks and job.computed == job.num_chunks and sent and all(h.state == "done" for h in job.handles):
-            self._end(job, StageOutcome(True, handoff=job.handoff))
+            writes = tuple((h.started, h.finished_at or h.started, h.num_bytes) for h in job.kv_handles)
+            self._end(job, StageOutcome(True, handoff=job.handoff, computed_at=job.computed_at, writes=writes))
 
     def _stop(self, job: StageJobState, outcome: StageOutcome) -> None:
         """End early (abort, failure): skip queued chunks, cancel what is in flight."""
         if job.ending:
             return
         job.stopped = outcome.error
+        if job.loading and self._host is not None:
+            self._spawn(job, self._host.cancel(self._load_key(job), job.spec.generation))
         for handle in job.handles:
             if handle.state == "pending":
                 request_cancel(self._backend_of(handle), handle)
@@ -290,6 +337,7 @@ class StageWorker:
         if job.ending:
             return
         job.ending = True
+        job.settled.set()
         if job.timer is not None:
             job.timer.cancel()
         self._spawn(job, self._settle(job, outcome))
@@ -319,6 +367,7 @@ class StageWorker:
     def _drop(self, job: StageJobState) -> None:
         """Forget a job that never got going (begin or admit failed): nothing of it was written."""
         job.ending = True
+        job.settled.set()
         if job.timer is not None:
             job.timer.cancel()
         self._forget(job)
@@ -351,6 +400,8 @@ class StageWorker:
     async def close(self) -> None:
         self._closing = True
         await asyncio.gather(*(self.abort(r, g, "shutdown") for r, g in list(self._jobs)))
+        if self._host is not None:
+            await self._host.close()
         await self._engine.stop()
         self._kv.close()
         self._act.close()

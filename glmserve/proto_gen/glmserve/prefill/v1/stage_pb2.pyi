@@ -56,7 +56,7 @@ class StageJobRef(_message.Message):
     def __init__(self, transfer: _Optional[_Union[_generation_pb2.TransferId, _Mapping]] = ...) -> None: ...
 
 class StageFinishReply(_message.Message):
-    __slots__ = ("ok", "error", "drained", "has_first_token", "first_token", "first_logprob", "mtp_hidden")
+    __slots__ = ("ok", "error", "drained", "has_first_token", "first_token", "first_logprob", "mtp_hidden", "computed_at", "write_started", "write_finished", "write_bytes")
     OK_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     DRAINED_FIELD_NUMBER: _ClassVar[int]
@@ -64,6 +64,10 @@ class StageFinishReply(_message.Message):
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     MTP_HIDDEN_FIELD_NUMBER: _ClassVar[int]
+    COMPUTED_AT_FIELD_NUMBER: _ClassVar[int]
+    WRITE_STARTED_FIELD_NUMBER: _ClassVar[int]
+    WRITE_FINISHED_FIELD_NUMBER: _ClassVar[int]
+    WRITE_BYTES_FIELD_NUMBER: _ClassVar[int]
     ok: bool
     error: str
     drained: bool
@@ -71,7 +75,11 @@ class StageFinishReply(_message.Message):
     first_token: int
     first_logprob: float
     mtp_hidden: bytes
-    def __init__(self, ok: _Optional[bool] = ..., error: _Optional[str] = ..., drained: _Optional[bool] = ..., has_first_token: _Optional[bool] = ..., first_token: _Optional[int] = ..., first_logprob: _Optional[float] = ..., mtp_hidden: _Optional[bytes] = ...) -> None: ...
+    computed_at: float
+    write_started: _containers.RepeatedScalarFieldContainer[float]
+    write_finished: _containers.RepeatedScalarFieldContainer[float]
+    write_bytes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ok: _Optional[bool] = ..., error: _Optional[str] = ..., drained: _Optional[bool] = ..., has_first_token: _Optional[bool] = ..., first_token: _Optional[int] = ..., first_logprob: _Optional[float] = ..., mtp_hidden: _Optional[bytes] = ..., computed_at: _Optional[float] = ..., write_started: _Optional[_Iterable[float]] = ..., write_finished: _Optional[_Iterable[float]] = ..., write_bytes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StageSlotRequest(_message.Message):
     __slots__ = ("transfer", "chunk")
