@@ -43,13 +43,13 @@ if str(REPO) not in sys.path:
 
 from bench.common import markdown_table, print_header  # noqa: E402
 from glmserve.core.block_hash import reusable_blocks  # noqa: E402
-from glmserve.engine.sampling_params import SamplingParams  # noqa: E402
+from glmserve.core.generation import SamplingParams  # noqa: E402
 from glmserve.model.config import GlmConfig  # noqa: E402
 from glmserve.model.kv_layout import KVLayout  # noqa: E402
 from glmserve.proto_gen.glmserve.common.v1 import generation_pb2 as common_pb  # noqa: E402
 from glmserve.proto_gen.glmserve.decode.v1 import decode_pb2 as decode_pb  # noqa: E402
 from glmserve.proto_gen.glmserve.decode.v1 import decode_pb2_grpc as decode_grpc  # noqa: E402
-from glmserve.services.sampling_proto import to_proto  # noqa: E402
+from glmserve.services.generation_proto import sampling_to_proto  # noqa: E402
 from glmserve.text.tokenizer import Tokenizer  # noqa: E402
 from tools.tiny_corpus import stdlib_texts  # noqa: E402
 
@@ -162,12 +162,12 @@ class Cluster:
             async with grpc.aio.insecure_channel(self.decode.address) as channel:
                 request = decode_pb.GenerateRequest(
                     transfer=common_pb.TransferId(request_id=rid, generation=1), prompt_ids=prompt,
-                    sampling=to_proto(FIRST_TOKENS), prefill_target=self.prefill.address)
+                    sampling=sampling_to_proto(FIRST_TOKENS), prefill_target=self.prefill.address)
                 start, first, cached = time.perf_counter(), None, 0
                 async for event in decode_grpc.DecodeStub(channel).Generate(request, timeout=1800):
                     if event.token_ids and first is None:
                         first = time.perf_counter() - start
-                    if event.finished:
+                    if event.finish_reason:  # the last event
                         if event.error:
                             raise RuntimeError(f"{rid}: {event.error}")
                         cached = event.num_cached_tokens

@@ -39,7 +39,7 @@ if str(REPO) not in sys.path:
 
 from bench.bench_host_tier import Proc, free_port, source_tokens  # noqa: E402
 from bench.common import load_average, markdown_table, print_header, rotated  # noqa: E402
-from glmserve.engine.sampling_params import SamplingParams  # noqa: E402
+from glmserve.core.generation import SamplingParams  # noqa: E402
 from glmserve.model.config import GlmConfig  # noqa: E402
 from glmserve.model.glm_model import GlmForCausalLM, init_random  # noqa: E402
 from glmserve.model.layer_split import parse_layer_split, plan_layer_split  # noqa: E402
@@ -48,7 +48,7 @@ from glmserve.model.saver import save_model  # noqa: E402
 from glmserve.proto_gen.glmserve.common.v1 import generation_pb2 as common_pb  # noqa: E402
 from glmserve.proto_gen.glmserve.decode.v1 import decode_pb2 as decode_pb  # noqa: E402
 from glmserve.proto_gen.glmserve.decode.v1 import decode_pb2_grpc as decode_grpc  # noqa: E402
-from glmserve.services.sampling_proto import to_proto  # noqa: E402
+from glmserve.services.generation_proto import sampling_to_proto as to_proto  # noqa: E402
 
 FIRST_TOKEN = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 # GLM-5.2's KV widths and indexer schedule; the rest small, so compute does not drown the transfer.

@@ -25,8 +25,8 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench.common import markdown_table, print_header, setup  # noqa: E402
+from glmserve.core.generation import SamplingParams  # noqa: E402
 from glmserve.engine.engine import Engine, EngineConfig  # noqa: E402
-from glmserve.engine.sampling_params import SamplingParams  # noqa: E402
 from glmserve.model.kv_layout import KVLayout  # noqa: E402
 from glmserve.model.loader import load_model  # noqa: E402
 from glmserve.model.revision import model_revision  # noqa: E402

@@ -1,6 +1,6 @@
 """Trace replay: prefix-cache hit ratio and cache-aware vs round-robin routing on the Mooncake trace.
 
-Replays ``../shared/traces/mooncake_synthetic_trace.jsonl`` (3,993 requests, one hash id per
+Replays ``bench/traces/mooncake_synthetic_trace.jsonl`` (3,993 requests, one hash id per
 512-token block, prefix-chained) scaled down: every hash id becomes a fixed pseudo-random block of
 ``--tokens-per-id`` token ids (the same id always gives the same tokens, so the sharing structure is
 the trace's); a prompt's last id is shortened in proportion to the trace's partial last block.
@@ -45,9 +45,9 @@ if str(REPO) not in sys.path:
 
 from bench.common import RunMonitor, markdown_table, print_header  # noqa: E402
 from glmserve.core.block_hash import CacheKeyRoot, block_hashes, reusable_blocks  # noqa: E402
+from glmserve.core.generation import SamplingParams  # noqa: E402
 from glmserve.engine.kv_cache_manager import KVCacheManager  # noqa: E402
 from glmserve.engine.request import Request  # noqa: E402
-from glmserve.engine.sampling_params import SamplingParams  # noqa: E402
 from glmserve.kv.block_index import InMemoryBlockIndex  # noqa: E402
 from glmserve.kv.block_pool import BlockPool  # noqa: E402
 from glmserve.services.kv_events import KVEventPublisher  # noqa: E402
@@ -58,7 +58,7 @@ from glmserve.services.router.prefill_routing import (  # noqa: E402
     RoutingConfig,
 )
 
-TRACE = REPO.parent / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
+TRACE = REPO / "bench" / "traces" / "mooncake_synthetic_trace.jsonl"
 TRACE_BLOCK = 512
 PARAMS = SamplingParams(max_tokens=1)
 

@@ -6,6 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from glmserve.commands.bench import add_bench_parser
+
 DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "models" / "glm52-tiny"
 
 
@@ -50,10 +52,13 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--host-tier-bytes", type=int, default=256 << 20,
                         help="size of the kvstore's host (CPU) KV tier; 0: none")
     launch.add_argument("--api-key", action="append", default=[], help="require this key (repeatable)")
+    launch.add_argument("--routing", choices=["cache_aware", "least_loaded", "round_robin"], default="cache_aware",
+                        help="how the router picks a prefill worker")
     launch.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for every service")
     launch.add_argument("--metrics-port", type=int, default=0, dest="metrics_port_base",
                         help="fixed metrics ports from BASE: kvstore BASE, prefill-i BASE+1+i, then decode-j "
                         "after the prefill workers (0: free ports; the router's are on its HTTP port)")
+    add_bench_parser(sub)
     layout = sub.add_parser("kv-layout", help="print the KV block layout and bytes per token of a model")
     _model_arg(layout)
     layout.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
@@ -67,6 +72,10 @@ def main(argv: list[str] | None = None) -> int:
         from glmserve.commands.kv_layout import run_kv_layout
 
         return run_kv_layout(args)
+    if args.command == "bench":
+        from glmserve.commands.bench import run_bench
+
+        return run_bench(args, argv)
     if args.command == "serve":
         from glmserve.commands.serve import run_serve
 

@@ -9,8 +9,8 @@ import time
 
 import torch
 
+from glmserve.core.generation import SamplingParams
 from glmserve.engine.engine import Engine
-from glmserve.engine.sampling_params import SamplingParams
 from glmserve.text.detokenizer import IncrementalDetokenizer
 from glmserve.text.tokenizer import Tokenizer
 
@@ -42,10 +42,10 @@ def run_generate(args: argparse.Namespace) -> int:
     req = engine.add_request("cli", prompt, params)
     while engine.has_unfinished():
         for out in engine.step():
-            if out.new_token_ids and first is None:
+            if out.token_ids and first is None:
                 first = time.perf_counter() - start
             if not args.json:
-                sys.stdout.write(detok.push(out.new_token_ids))
+                sys.stdout.write(detok.push(out.token_ids))
                 sys.stdout.flush()
     total = time.perf_counter() - start
     if args.json:

@@ -46,6 +46,7 @@ class ServeConfig:
     metrics_port_base: int = 0  # kvstore here, prefill-i at +1+i, decode-j after them; 0: free ports
     prefill_stages: int = 1  # LayerSplit: stage processes per prefill worker
     prefill_layer_split: str | None = None  # explicit stage ranges (else the planner's)
+    routing: str = "cache_aware"  # the router's --routing (checked by the router)
 
     def __post_init__(self) -> None:
         if not (self.model / "config.json").is_file():
@@ -88,7 +89,8 @@ class ServeConfig:
                    ready_timeout_s=args.ready_timeout, host_tier_bytes=args.host_tier_bytes,
                    metrics_port_base=getattr(args, "metrics_port_base", 0),
                    prefill_stages=getattr(args, "prefill_stages", 1),
-                   prefill_layer_split=getattr(args, "prefill_layer_split", None))
+                   prefill_layer_split=getattr(args, "prefill_layer_split", None),
+                   routing=getattr(args, "routing", cls.routing))
 
     def metrics_port(self, index: int) -> int | None:
         """The fixed metrics port of child ``index`` (kvstore 0, prefill 1..P, decode after); None: free."""
@@ -313,7 +315,7 @@ def _bring_up(launcher: Launcher) -> str:
         "router", "glmserve.services.router.main", "--model", str(cfg.model), "--host", cfg.host,
         "--port", str(cfg.port), "--kvstore", kvstore.address,
         "--prefill", ",".join(c.address for c in workers["prefill"]),
-        "--decode", ",".join(c.address for c in workers["decode"]),
+        "--decode", ",".join(c.address for c in workers["decode"]), "--routing", cfg.routing,
         *[arg for key in cfg.api_keys for arg in ("--api-key", key)], metrics=False)  # on its HTTP port
     launcher.wait_ready({router: lambda: router.announced}, deadline)
     launcher.wait_ready({router: _http_ok(f"{router.address}/ready")}, deadline)

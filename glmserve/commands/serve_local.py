@@ -13,8 +13,8 @@ import logging
 import uvicorn
 
 from glmserve.commands.generate import mtp_setting
+from glmserve.services.local_backend import LocalEngineBackend
 from glmserve.services.router.app import create_app
-from glmserve.services.router.local_backend import LocalEngineBackend
 from glmserve.text.tokenizer import Tokenizer
 
 

@@ -10,11 +10,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from glmserve.core.generation import SamplingParams, TokenEvent
+from glmserve.core.stop_checker import StopChecker
 from glmserve.engine.engine_stats import EngineStats
 from glmserve.engine.host_offload import HostOffload, HostWrite
 from glmserve.engine.kv_cache_manager import KVCacheManager, prefix_cache_root
@@ -22,10 +24,8 @@ from glmserve.engine.model_runner import ModelRunner
 from glmserve.engine.rejection_sampler import verify
 from glmserve.engine.request import Request, RequestStatus
 from glmserve.engine.sampler import Sampler, processed_probs
-from glmserve.engine.sampling_params import SamplingParams
 from glmserve.engine.scheduler import ScheduledWork, Scheduler, SchedulerConfig
 from glmserve.engine.spec_policy import SpecPolicy
-from glmserve.engine.stop_checker import StopChecker
 from glmserve.kv.block_pool import BlockPool
 from glmserve.model.glm_model import GlmForCausalLM
 from glmserve.model.kv_layout import KVLayout
@@ -61,18 +61,6 @@ class EngineConfig:
             raise ValueError("kv_cache_bytes: must be > 0")
         if self.host_staging_blocks < 0:
             raise ValueError(f"host_staging_blocks: must be >= 0, got {self.host_staging_blocks}")
-
-
-@dataclass
-class StepOutput:
-    request_id: str
-    new_token_ids: list[int]
-    finished: bool
-    finish_reason: str | None = None
-    new_logprobs: list[float] = field(default_factory=list)
-    # Per new token, the request's `logprobs` most likely (token id, logprob) pairs; empty if not asked.
-    new_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
-    text_delta: str = ""  # only when the engine has a tokenizer; held back while a stop string may start
 
 
 class Engine:
@@ -212,7 +200,7 @@ class Engine:
     def add_prefilled(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, first_token: int,
         last_hidden: torch.Tensor, num_cached: int = 0, cache_salt: str | None = None,
-    ) -> StepOutput:
+    ) -> TokenEvent:
         """Continue a request whose prompt KV (main and MTP layers) is in its reserved blocks.
 
         `last_hidden` is the prefill worker's normed hidden state at the last prompt position: with the
@@ -239,7 +227,8 @@ class Engine:
 
     # --- one step -------------------------------------------------------------------------------
 
-    def step(self) -> list[StepOutput]:
+    def step(self) -> list[TokenEvent]:
+        """One step (see the module docstring); an event for every request that gained tokens or finished."""
         work = self.scheduler.schedule()
         if not work:
             return []
@@ -258,7 +247,8 @@ class Engine:
                 req.last_hidden = main.hidden[i][-1].clone()
             self.kv.commit_full_blocks(req)  # before a finish frees the blocks
             out = self._emit(req, new_tokens, main.logits[i])
-            outputs.append(out)
+            if out.token_ids or out.finished:
+                outputs.append(out)
             if req.is_finished and not (req.hold_blocks and not was_decode):
                 continue  # a held prefill still gets its MTP KV: decode drafts from it
             if self.use_mtp:
@@ -314,7 +304,7 @@ class Engine:
         self.kv.trim(req, req.num_computed + 1)
         return tokens
 
-    def _emit(self, req: Request, tokens: list[int], logits: torch.Tensor | None) -> StepOutput:
+    def _emit(self, req: Request, tokens: list[int], logits: torch.Tensor | None) -> TokenEvent:
         """Append tokens up to the first stop; finish the request when it is done."""
         check = req.stop_checker.check_tokens(tokens) if tokens else None
         kept = tokens[: check.num_kept] if check else []
@@ -329,7 +319,8 @@ class Engine:
         reason = req.stop_checker.finish_reason
         if reason is not None:
             self._finish(req, reason)
-        return StepOutput(req.request_id, kept, reason is not None, reason, logprobs, top_logprobs, text_delta)
+        return TokenEvent(req.request_id, kept, text_delta, logprobs, top_logprobs, reason,
+                          req.stop_checker.stop_reason if reason is not None else None, req.num_cached_prompt)
 
     def _text(self, req: Request, visible: list[int]) -> str:
         """New text safe to stream; stop strings end the request and cut the text before them."""

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
+from glmserve.core.generation import SamplingParams
 from glmserve.engine.sampler import Generators, processed_probs, sample_from_probs, uniform
-from glmserve.engine.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

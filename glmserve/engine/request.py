@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from glmserve.engine.sampling_params import SamplingParams
-from glmserve.engine.stop_checker import StopChecker
+from glmserve.core.generation import SamplingParams
+from glmserve.core.stop_checker import StopChecker
 from glmserve.text.detokenizer import IncrementalDetokenizer
 
 

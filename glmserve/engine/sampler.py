@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from glmserve.engine.sampling_params import SamplingParams
+from glmserve.core.generation import SamplingParams
 
 Generators = Sequence[torch.Generator | None]
 

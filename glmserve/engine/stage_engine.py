@@ -31,13 +31,13 @@ from pathlib import Path
 
 import torch
 
+from glmserve.core.generation import SamplingParams
 from glmserve.engine.engine import EngineConfig
 from glmserve.engine.host_offload import HostOffload, HostWrite
 from glmserve.engine.kv_cache_manager import KVCacheManager, prefix_cache_root
 from glmserve.engine.model_runner import ModelRunner
 from glmserve.engine.request import Request
 from glmserve.engine.sampler import Sampler
-from glmserve.engine.sampling_params import SamplingParams
 from glmserve.kv.block_pool import BlockPool, OutOfBlocks
 from glmserve.model.forward_batch import ForwardBatch
 from glmserve.model.glm_model import GlmForCausalLM

@@ -25,13 +25,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from glmserve.core.generation import TokenEvent
+
 if TYPE_CHECKING:
-    from glmserve.engine.engine import Engine, StepOutput
+    from glmserve.engine.engine import Engine
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-StepHook = Callable[["Engine", "list[StepOutput]"], None]
+StepHook = Callable[["Engine", list[TokenEvent]], None]
 ErrorHook = Callable[["Engine", BaseException], None]
 
 

@@ -10,8 +10,8 @@ import pytest
 from engine_fixtures import random_model
 
 from glmserve.core.block_hash import CacheKeyRoot, block_hashes
+from glmserve.core.generation import SamplingParams
 from glmserve.engine.engine import Engine, EngineConfig
-from glmserve.engine.sampling_params import SamplingParams
 from glmserve.model.kv_layout import LAYOUT_VERSION
 from glmserve.text.tokenizer_digest import tokenizer_digest
 

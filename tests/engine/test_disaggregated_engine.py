@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from engine_fixtures import prompts, random_model
 
+from glmserve.core.generation import SamplingParams
 from glmserve.engine.engine import Engine, EngineConfig
-from glmserve.engine.sampling_params import SamplingParams
 from glmserve.model.greedy import greedy_generate
 
 
@@ -39,7 +39,7 @@ def test_prefill_then_decode_equals_one_engine(model, mtp):
     prefill, decode = _engine(model, mtp), _engine(model, mtp)
     ps = prompts(4, seed=21, min_len=10, max_len=90)
     params = SamplingParams(max_tokens=20, temperature=0.0)
-    outs = {f"r{i}": list(_ship(prefill, decode, f"r{i}", p, params).new_token_ids) for i, p in enumerate(ps)}
+    outs = {f"r{i}": list(_ship(prefill, decode, f"r{i}", p, params).token_ids) for i, p in enumerate(ps)}
     reqs = {rid: decode.requests[rid] for rid in outs if rid in decode.requests}
     while decode.has_unfinished():
         decode.step()

@@ -6,8 +6,8 @@ import pytest
 import torch
 from engine_fixtures import prompts, random_model
 
+from glmserve.core.generation import SamplingParams
 from glmserve.engine.engine import Engine, EngineConfig
-from glmserve.engine.sampling_params import SamplingParams
 from glmserve.model.forward_batch import ForwardBatch
 from glmserve.model.greedy import greedy_generate
 from glmserve.model.kv_layout import KVLayout
@@ -142,7 +142,7 @@ def test_stop_strings_cut_the_text_and_end_the_request(model, oracle):
     req = engine.add_request("s", prompt, SamplingParams(max_tokens=MAX_NEW, temperature=0.0, stop=(stop,)))
     streamed = ""
     while engine.has_unfinished():
-        streamed += "".join(o.text_delta for o in engine.step())
+        streamed += "".join(o.text for o in engine.step())
     assert req.finish_reason == "stop"
     assert streamed == req.text == text[: text.index(stop)]
     _check_pool(engine)

@@ -1,9 +1,9 @@
 import pytest
 import torch
 
+from glmserve.core.generation import SamplingParams
 from glmserve.engine.rejection_sampler import verify
 from glmserve.engine.sampler import make_generator, processed_probs
-from glmserve.engine.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0)
 V = 6

@@ -3,8 +3,8 @@ import math
 import pytest
 import torch
 
+from glmserve.core.generation import SamplingParams
 from glmserve.engine.sampler import Sampler, make_generator, sample_from_probs
-from glmserve.engine.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0)
 

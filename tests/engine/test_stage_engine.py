@@ -8,8 +8,8 @@ import pytest
 import torch
 from engine_fixtures import CONFIG, prompts, random_model
 
+from glmserve.core.generation import SamplingParams
 from glmserve.engine.engine import Engine, EngineConfig
-from glmserve.engine.sampling_params import SamplingParams
 from glmserve.engine.stage_engine import StageEngine, chunk_spans, kv_writes
 from glmserve.kv.block_pool import OutOfBlocks
 from glmserve.model.config import GlmConfig

@@ -15,8 +15,8 @@ from pathlib import Path
 import httpx
 import uvicorn
 
-from glmserve.engine.sampling_params import SamplingParams
-from glmserve.services.router.backend import GenerationBackend, GenerationEvent, RequestHints
+from glmserve.core.generation import SamplingParams, TokenEvent
+from glmserve.services.router.backend import GenerationBackend, RequestHints
 
 # The bundled model; GLMSERVE_TEST_MODEL_DIR points the tests at another dir of the same format.
 MODEL_DIR = Path(
@@ -83,20 +83,19 @@ class ScriptedBackend(GenerationBackend):
     async def generate(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams,
         hints: RequestHints | None = None,
-    ) -> AsyncIterator[GenerationEvent]:
+    ) -> AsyncIterator[TokenEvent]:
         self.generated.append((request_id, list(prompt_ids), params))
         self.hints.append(hints)
         if self.fail_with is not None:
-            yield GenerationEvent(request_id, finished=True, finish_reason="error", error=self.fail_with)
+            yield TokenEvent.ended(request_id, "error", self.fail_with)
             return
         ids = self.script(prompt_ids)[: params.max_tokens]
         for i, token in enumerate(ids):
             await asyncio.sleep(self.delay_s)
             if request_id in self.aborted:  # the contract: an aborted stream ends with "abort"
-                yield GenerationEvent(request_id, finished=True, finish_reason="abort")
+                yield TokenEvent.ended(request_id, "abort")
                 return
             last = i == len(ids) - 1
             reason = None if not last else ("length" if len(ids) == params.max_tokens else "stop")
-            yield GenerationEvent(
-                request_id, [token], [-0.5] if params.logprobs is not None else [], last, reason
-            )
+            logprobs = [-0.5] if params.logprobs is not None else []
+            yield TokenEvent(request_id, [token], logprobs=logprobs, finish_reason=reason)

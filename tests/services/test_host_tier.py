@@ -24,7 +24,7 @@ from host_tier_fixtures import HostKVStore, hit_tokens
 from worker_fixtures import HAS_MODEL, MODEL_DIR, Outcome, WorkerProcess, generate, generate_request
 
 from glmserve.core.block_hash import reusable_blocks
-from glmserve.engine.sampling_params import SamplingParams
+from glmserve.core.generation import SamplingParams
 from glmserve.kv.transfer import nixl_unavailable_reason
 from glmserve.proto_gen.glmserve.decode.v1 import decode_pb2_grpc as decode_grpc
 

@@ -131,10 +131,25 @@ def test_session_table_is_bounded_and_forgets_workers() -> None:
 
 
 @pytest.mark.parametrize("field,value", [("host_credit", 1.5), ("max_imbalance", -1),
-                                         ("shared_prefix_fraction", -0.1), ("session_ttl_s", 0)])
+                                         ("shared_prefix_fraction", -0.1), ("session_ttl_s", 0),
+                                         ("policy", "random")])
 def test_bad_config_names_the_field(field: str, value: float) -> None:
     with pytest.raises(ValueError, match=field):
         RoutingConfig(**{field: value})
+
+
+def test_least_loaded_ignores_cache_hits_and_sessions() -> None:
+    r = PrefillRouting(RoutingConfig(policy="least_loaded"))
+    d = r.choose([cand("a", 1, device=6), cand("b")], 100, BS, session_id="s")
+    assert (d.address, d.reason, d.device_hit_tokens, d.compute_tokens) == ("b", "load", 0, 100)
+    d = r.choose([cand("a"), cand("b", 2)], 100, BS, session_id="s")  # no affinity to b
+    assert (d.address, d.reason) == ("a", "load")
+
+
+def test_round_robin_takes_workers_in_turn_whatever_their_load_or_hits() -> None:
+    r = PrefillRouting(RoutingConfig(policy="round_robin"))
+    picks = [r.choose([cand("a", 5), cand("b", device=6)], 100, BS, session_id="s") for _ in range(4)]
+    assert [(d.address, d.reason) for d in picks] == [("a", "round_robin"), ("b", "round_robin")] * 2
 
 
 def test_local_view_matches_leading_runs_and_is_bounded() -> None:

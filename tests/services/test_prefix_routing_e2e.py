@@ -26,7 +26,7 @@ from test_kvstore_service import KVStoreProcess
 from worker_fixtures import HAS_MODEL, MODEL_DIR, WorkerProcess, generate, generate_request
 
 from glmserve.core.block_hash import block_hashes
-from glmserve.engine.sampling_params import SamplingParams
+from glmserve.core.generation import SamplingParams
 from glmserve.proto_gen.glmserve.decode.v1 import decode_pb2_grpc as decode_grpc
 
 pytestmark = [pytest.mark.slow, requires_redis_server,

@@ -22,12 +22,12 @@ import grpc
 import httpx
 import pytest
 
-from glmserve.engine.sampling_params import SamplingParams
+from glmserve.core.generation import SamplingParams, TokenEvent
 from glmserve.proto_gen.glmserve.decode.v1 import decode_pb2 as decode_pb
 from glmserve.proto_gen.glmserve.decode.v1 import decode_pb2_grpc as decode_grpc
 from glmserve.proto_gen.glmserve.prefill.v1 import prefill_pb2 as prefill_pb
 from glmserve.proto_gen.glmserve.prefill.v1 import prefill_pb2_grpc as prefill_grpc
-from glmserve.services.router.backend import BackendUnavailable, GenerationEvent
+from glmserve.services.router.backend import BackendUnavailable
 from glmserve.services.router.grpc_backend import DisaggregatedBackend
 
 REPO = Path(__file__).resolve().parents[2]
@@ -59,7 +59,7 @@ class FakeDecode(decode_grpc.DecodeServicer):
                 reason = ("length" if n == request.sampling.max_tokens else "stop") if last else ""
                 yield decode_pb.GenerateEvent(
                     token_ids=[token], logprobs=[-0.5] if request.sampling.HasField("logprobs") else [],
-                    finished=last, finish_reason=reason, num_cached_tokens=2,
+                    finish_reason=reason, num_cached_tokens=2,
                 )
         except asyncio.CancelledError:
             self.cancelled.append(rid)
@@ -103,7 +103,7 @@ def healthy(backend: DisaggregatedBackend, address: str, kind: str = "decode") -
     return any(k == kind and v.address == address and v.healthy for k, v in backend.workers())
 
 
-async def collect(stream) -> list[GenerationEvent]:
+async def collect(stream) -> list[TokenEvent]:
     return [event async for event in stream]
 
 

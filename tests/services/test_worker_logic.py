@@ -13,8 +13,8 @@ import dataclasses
 
 import pytest
 
+from glmserve.core.generation import SamplingParams
 from glmserve.engine.engine import Engine, EngineConfig
-from glmserve.engine.sampling_params import SamplingParams
 from glmserve.kv.transfer import TransferStamp
 from glmserve.kv.transfer.tcp_backend import TcpTransferBackend
 from glmserve.model.greedy import greedy_generate
@@ -24,7 +24,6 @@ from glmserve.services.decode.worker import DecodeFull, DecodeSettings, DecodeWo
 from glmserve.services.prefill.history import PrefillHistory
 from glmserve.services.prefill.job import PrefillAborted, PrefillJob
 from glmserve.services.prefill.worker import PrefillWorker
-from glmserve.services.sampling_proto import from_proto, to_proto
 from tests.engine.engine_fixtures import prompts, random_model
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
@@ -249,18 +248,6 @@ def test_prefill_history_moves_forward():
     assert not h.abort("y", 1)
     with pytest.raises(ValueError, match="ttl_s"):
         PrefillHistory(ttl_s=0)
-
-
-def test_sampling_round_trip():
-    for params in (SamplingParams(), GREEDY, SamplingParams(max_tokens=3, temperature=0.5, top_p=0.25,
-                   top_k=7, seed=2**64 - 1, stop_token_ids=(5,), stop=("x",), ignore_eos=True, logprobs=2)):
-        back = from_proto(to_proto(params))
-        assert dataclasses.replace(back, seed=params.seed, temperature=params.temperature,
-                                   top_p=params.top_p) == params
-        assert back.temperature == pytest.approx(params.temperature) and back.top_p == pytest.approx(params.top_p)
-        assert back.seed is None or back.seed % 2**64 == params.seed % 2**64  # same torch generator
-    with pytest.raises(ValueError, match="max_tokens"):
-        from_proto(to_proto(GREEDY).__class__())  # an empty message: max_tokens 0
 
 
 def test_transfer_timeline_counts_overlapping_writes_once_and_what_outlived_compute():

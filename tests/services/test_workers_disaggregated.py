@@ -18,7 +18,7 @@ import grpc
 import pytest
 from worker_fixtures import HAS_MODEL, MODEL_DIR, Outcome, WorkerProcess, generate, generate_request
 
-from glmserve.engine.sampling_params import SamplingParams
+from glmserve.core.generation import SamplingParams
 from glmserve.kv.transfer import nixl_unavailable_reason
 from glmserve.model.greedy import greedy_generate
 from glmserve.model.loader import load_model

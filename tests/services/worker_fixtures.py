@@ -24,14 +24,14 @@ from pathlib import Path
 import grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from glmserve.engine.sampling_params import SamplingParams
+from glmserve.core.generation import SamplingParams
 from glmserve.proto_gen.glmserve.common.v1 import generation_pb2 as common_pb
 from glmserve.proto_gen.glmserve.decode.v1 import decode_pb2 as decode_pb
 from glmserve.proto_gen.glmserve.decode.v1 import decode_pb2_grpc as decode_grpc
 from glmserve.proto_gen.glmserve.prefill.v1 import prefill_pb2 as prefill_pb
 from glmserve.proto_gen.glmserve.prefill.v1 import prefill_pb2_grpc as prefill_grpc
+from glmserve.services.generation_proto import sampling_to_proto
 from glmserve.services.metrics_exposition import SERVICE_LABELS
-from glmserve.services.sampling_proto import to_proto
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL_DIR = Path(
@@ -155,7 +155,7 @@ def generate_request(request_id: str, prompt: Sequence[int], params: SamplingPar
                      generation: int = 1) -> decode_pb.GenerateRequest:
     return decode_pb.GenerateRequest(
         transfer=common_pb.TransferId(request_id=request_id, generation=generation),
-        prompt_ids=list(prompt), sampling=to_proto(params), prefill_target=prefill,
+        prompt_ids=list(prompt), sampling=sampling_to_proto(params), prefill_target=prefill,
     )
 
 
@@ -169,7 +169,7 @@ async def generate(stub: decode_grpc.DecodeStub, request: decode_pb.GenerateRequ
         async for event in call:
             out.events.append(event)
             out.tokens.extend(event.token_ids)
-            if event.finished:
+            if event.finish_reason:  # the last event
                 out.finish_reason, out.error = event.finish_reason, event.error
                 out.num_cached_tokens = event.num_cached_tokens
             if cancel_after_events is not None and len(out.events) >= cancel_after_events:

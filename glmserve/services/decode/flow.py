@@ -2,20 +2,20 @@
 
 The stages and the rule for freeing destination blocks are in `glmserve.services.decode.worker`'s
 docstring. Aborts never cancel the task: ``abort`` sets an event the flow waits on next to whatever
-it awaits (and puts a `Stop` in its output queue), so every cleanup step runs to its end.
+it awaits (and puts a final "abort" event in its output queue), so every cleanup step runs to its end.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from glmserve.engine.sampling_params import SamplingParams
+from glmserve.core.generation import FinishReason, SamplingParams, TokenEvent
 from glmserve.kv.transfer import StaleTransferError, StampError, TransferStamp, verify_stamp
 from glmserve.services.decode.flow_context import FlowContext
 from glmserve.services.decode.prefill_client import (
@@ -27,35 +27,17 @@ from glmserve.services.decode.prefill_client import (
 from glmserve.services.worker_metrics import TokenTimer
 
 if TYPE_CHECKING:
-    from glmserve.engine.engine import Engine, StepOutput
+    from glmserve.engine.engine import Engine
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class DecodeEvent:
-    """New tokens of a request; the last event has ``finished`` (reason stop|length|abort|error)."""
-
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    finished: bool = False
-    finish_reason: str | None = None
-    error: str | None = None
-    num_cached_tokens: int = 0
-
-
-@dataclass(frozen=True)
-class Stop:
-    """The request ends without more tokens: "abort" or "error" (with what went wrong)."""
-
-    reason: str
-    error: str | None = None
-
-
 class _Ended(Exception):
-    def __init__(self, stop: Stop) -> None:
-        super().__init__(stop.error or stop.reason)
-        self.stop = stop
+    """The flow ends early: ``reason`` "abort" or "error", ``error`` what happened."""
+
+    def __init__(self, reason: FinishReason, error: str | None) -> None:
+        super().__init__(error or reason)
+        self.reason, self.error = reason, error
 
 
 class DecodeFlow:
@@ -67,8 +49,9 @@ class DecodeFlow:
         self.request_id, self.generation = request_id, generation
         self.key = f"{request_id}@{generation}"  # the engine's request id
         self._prompt, self._params, self._target, self._timer = prompt_ids, params, prefill_target, timer
-        self.outputs: asyncio.Queue[StepOutput | Stop] = asyncio.Queue()  # from the engine thread
-        self._events: asyncio.Queue[DecodeEvent] = asyncio.Queue()
+        # The engine's events for this request (posted from the engine thread), or an abort's final event.
+        self.outputs: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        self._events: asyncio.Queue[TokenEvent] = asyncio.Queue()
         self._aborted = asyncio.Event()
         self._abort_reason: str | None = None
         self.stage = "queued"  # queued (reserving) | prefill | decode | done
@@ -86,9 +69,9 @@ class DecodeFlow:
         if self._ctx.metrics is not None:
             self._ctx.metrics.abort(self.stage, label)
         self._aborted.set()
-        self.outputs.put_nowait(Stop("abort", reason))
+        self.outputs.put_nowait(TokenEvent.ended(self.key, "abort", reason))
 
-    async def events(self) -> AsyncIterator[DecodeEvent]:
+    async def events(self) -> AsyncIterator[TokenEvent]:
         while True:
             event = await self._events.get()
             yield event
@@ -100,14 +83,14 @@ class DecodeFlow:
             first, first_logprob = await self._prefill()
             final = await self._decode(first, first_logprob)
         except _Ended as e:
-            final = self._final(e.stop)
+            final = self._final(e.reason, e.error)
         except Exception as e:  # a bug: end the stream; blocks in an unknown state wait out the backstop
             log.exception("decode request %s failed", self.key)
             if self.stage == "decode":
                 self._ctx.engine.submit_nowait(lambda eng: eng.abort(self.key))
             else:
                 self._ctx.release_later(self.key, self._ctx.settings.prefill_timeout_s)
-            final = self._final(Stop("error", f"internal error: {e!r}"))
+            final = self._final("error", f"internal error: {e!r}")
         finally:
             self.stage = "done"
             on_done(self)
@@ -115,12 +98,11 @@ class DecodeFlow:
             self._timer.finish()
         self._events.put_nowait(final)
 
-    def _final(self, stop: Stop) -> DecodeEvent:
-        return DecodeEvent(finished=True, finish_reason=stop.reason, error=stop.error,
-                           num_cached_tokens=self.num_cached)
+    def _final(self, reason: FinishReason, error: str | None) -> TokenEvent:
+        return TokenEvent.ended(self.key, reason, error, self.num_cached)
 
-    def _abort_stop(self) -> Stop | None:
-        return None if self._abort_reason is None else Stop("abort", self._abort_reason)
+    def _abort_ended(self) -> _Ended | None:
+        return None if self._abort_reason is None else _Ended("abort", self._abort_reason)
 
     # --- stages -----------------------------------------------------------------------------------
 
@@ -141,11 +123,11 @@ class DecodeFlow:
         if not reserved.cancelled() and reserved.exception() is None:
             self._ctx.release_now(self.key)
 
-    async def _prefill(self) -> tuple[StepOutput, float | None]:
+    async def _prefill(self) -> tuple[TokenEvent, float | None]:
         ctx, s, dest = self._ctx, self._ctx.settings, self._dest
         if self._abort_reason is not None:
             ctx.release_now(self.key)  # nothing was asked of any prefill worker yet
-            raise _Ended(Stop("abort", self._abort_reason))
+            raise _Ended("abort", self._abort_reason)
         self.stage = "prefill"
         if self._timer is not None:
             self._timer.scheduled()
@@ -156,23 +138,23 @@ class DecodeFlow:
         await _first(call, self._aborted, s.prefill_timeout_s + 1.0)  # the call has its own deadline
         if not call.done() or call.exception() is not None:
             ctx.arrivals.forget(self.request_id, self.generation)
-            stop = self._abort_stop() or _stop_for(call, self._target)
-            await self._give_back(call, stop.error or stop.reason)
-            raise _Ended(stop)
+            ended = self._abort_ended() or _ended_for(call, self._target)
+            await self._give_back(call, ended.error or ended.reason)
+            raise ended
         answer = call.result()
         await self._await_arrival(arrival)
         ctx.arrivals.forget(self.request_id, self.generation)
         if not arrival.done() or arrival.cancelled():
             ctx.release_now(self.key)  # the writer saw the write done: nothing more lands
-            raise _Ended(self._abort_stop() or Stop("error", "the KV transfer's completion did not "
-                                                              f"arrive within {s.arrival_timeout_s}s"))
+            raise self._abort_ended() or _Ended("error", "the KV transfer's completion did not arrive "
+                                                       f"within {s.arrival_timeout_s}s")
         stamps, params, prompt = arrival.result(), self._params, self._prompt
         try:
             out = await ctx.engine.submit(lambda e: _admit(e, self, prompt, params, dest, stamps, answer,
                                                            s.checksum))
         except (StampError, ValueError) as e:  # _admit released the blocks
             ctx.transfer_failed("stamp")
-            raise _Ended(Stop("error", f"KV transfer rejected: {e}")) from None
+            raise _Ended("error", f"KV transfer rejected: {e}") from None
         self.num_cached = answer.num_cached_tokens
         return out, answer.first_logprob
 
@@ -208,28 +190,28 @@ class DecodeFlow:
                     "quarantined for %.0fs", self.key, self._target, answer.value, s.prefill_timeout_s)
         ctx.release_later(self.key, s.prefill_timeout_s)
 
-    async def _decode(self, out: StepOutput | Stop, first_logprob: float | None) -> DecodeEvent:
+    async def _decode(self, out: TokenEvent, first_logprob: float | None) -> TokenEvent:
+        """Forward the engine's events until the last one, which is returned."""
         self.stage = "decode"
-        logprobs = [first_logprob] if first_logprob is not None and self._params.logprobs is not None else []
+        if first_logprob is not None and self._params.logprobs is not None:  # prefill computed it
+            out = dataclasses.replace(out, logprobs=[first_logprob])
         while True:
-            if isinstance(out, Stop):
-                if out.reason == "abort":
-                    await self._ctx.engine.submit(lambda e: e.abort(self.key))  # frees its blocks now
-                return self._final(out)
-            event = DecodeEvent(list(out.new_token_ids), logprobs, out.finished, out.finish_reason,
-                                None, self.num_cached)
+            if out.finish_reason == "abort":  # aborted here (the engine's own events never say abort)
+                await self._ctx.engine.submit(lambda e: e.abort(self.key))  # frees its blocks now
+                return self._final("abort", out.error)
+            if out.finish_reason == "error":
+                return self._final("error", out.error)
             if self._timer is not None:
-                self._timer.on_tokens(len(event.token_ids))
+                self._timer.on_tokens(len(out.token_ids))
             if out.finished:
-                return event
-            if event.token_ids:
-                self._events.put_nowait(event)
+                return out
+            if out.token_ids:
+                self._events.put_nowait(out)
             out = await self.outputs.get()
-            logprobs = [] if isinstance(out, Stop) else list(out.new_logprobs)
 
 
 def _admit(engine: Engine, flow: DecodeFlow, prompt: list[int], params: SamplingParams, dest: list[int],
-           stamps: tuple[TransferStamp, ...], answer: PrefillAnswer, checksum: bool) -> StepOutput:
+           stamps: tuple[TransferStamp, ...], answer: PrefillAnswer, checksum: bool) -> TokenEvent:
     """On the engine thread: verify the transfer, then join the request to the batch. Frees the
     reserved blocks and raises when the transfer must not be used."""
     key = flow.key
@@ -275,17 +257,17 @@ async def _first(future: asyncio.Future[Any], event: asyncio.Event, timeout_s: f
         waiter.cancel()
 
 
-def _stop_for(call: asyncio.Task[PrefillAnswer], target: str) -> Stop:
+def _ended_for(call: asyncio.Task[PrefillAnswer], target: str) -> _Ended:
     """How a stream ends when its Prefill call did not answer: "abort" when the prefill side
     aborted it (an abort started there reaches the client too), else "error" naming the failure."""
     if not call.done():
-        return Stop("error", f"prefill worker {target} did not answer in time")
+        return _Ended("error", f"prefill worker {target} did not answer in time")
     error = call.exception()
     if isinstance(error, PrefillCallError) and error.code == "aborted":
-        return Stop("abort", f"prefill worker {target}: {error}")
+        return _Ended("abort", f"prefill worker {target}: {error}")
     if isinstance(error, PrefillCallError) and error.code == "unavailable":
-        return Stop("error", f"prefill worker {target} failed or is unreachable: {error}")
-    return Stop("error", f"prefill worker {target}: {error}")
+        return _Ended("error", f"prefill worker {target} failed or is unreachable: {error}")
+    return _Ended("error", f"prefill worker {target}: {error}")
 
 
 def _consume(task: asyncio.Task[Any]) -> None:

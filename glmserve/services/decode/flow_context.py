@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from glmserve.engine.sampling_params import SamplingParams
+from glmserve.core.generation import SamplingParams
 from glmserve.kv.transfer import TransferStamp
 from glmserve.services.decode.arrivals import TransferArrivals
 from glmserve.services.decode.prefill_client import PrefillPort

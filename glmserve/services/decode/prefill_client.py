@@ -23,11 +23,11 @@ from typing import Protocol
 import grpc
 
 from glmserve.core.errors import GlmServeError
-from glmserve.engine.sampling_params import SamplingParams
+from glmserve.core.generation import SamplingParams
 from glmserve.proto_gen.glmserve.common.v1 import generation_pb2 as common_pb
 from glmserve.proto_gen.glmserve.prefill.v1 import prefill_pb2 as pb
 from glmserve.proto_gen.glmserve.prefill.v1 import prefill_pb2_grpc as pb_grpc
-from glmserve.services.sampling_proto import to_proto
+from glmserve.services.generation_proto import sampling_to_proto
 
 
 @dataclass(frozen=True)
@@ -117,7 +117,7 @@ class GrpcPrefillClient:
         request = pb.PrefillRequest(
             transfer=common_pb.TransferId(request_id=call.request_id, generation=call.generation),
             prompt_ids=list(call.prompt_ids),
-            sampling=to_proto(call.params),
+            sampling=sampling_to_proto(call.params),
             decode_target=call.decode_target,
             dest_block_ids=list(call.dest_block_ids),
             transfer_kind=call.transfer_kind,

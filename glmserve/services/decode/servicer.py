@@ -14,9 +14,8 @@ import grpc
 
 from glmserve.proto_gen.glmserve.decode.v1 import decode_pb2 as pb
 from glmserve.proto_gen.glmserve.decode.v1 import decode_pb2_grpc as pb_grpc
-from glmserve.services.decode.flow import DecodeEvent
 from glmserve.services.decode.worker import DecodeFull, DecodeUnavailable, DecodeWorker
-from glmserve.services.sampling_proto import from_proto
+from glmserve.services.generation_proto import event_to_proto, sampling_from_proto
 
 
 class DecodeServicer(pb_grpc.DecodeServicer):
@@ -34,7 +33,7 @@ class DecodeServicer(pb_grpc.DecodeServicer):
                 request.transfer.request_id,
                 request.transfer.generation,
                 list(request.prompt_ids),
-                from_proto(request.sampling),
+                sampling_from_proto(request.sampling),
                 request.prefill_target,
                 request.cache_salt,
             )
@@ -48,7 +47,7 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         try:
             async for event in stream:
                 finished = event.finished
-                yield _to_proto(event)
+                yield event_to_proto(event)
         finally:
             if not finished:  # cancelled by the client, or the stream broke: abort everywhere now
                 stream.abort()
@@ -63,13 +62,3 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         return pb.HealthReply(ready=h.ready, worker_id=self._worker_id, running=h.running,
                               waiting=h.waiting, free_blocks=h.free_blocks)
 
-
-def _to_proto(event: DecodeEvent) -> pb.GenerateEvent:
-    return pb.GenerateEvent(
-        token_ids=event.token_ids,
-        logprobs=event.logprobs,
-        finished=event.finished,
-        finish_reason=event.finish_reason or "",
-        error=event.error or "",
-        num_cached_tokens=event.num_cached_tokens,
-    )

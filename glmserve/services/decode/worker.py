@@ -31,11 +31,11 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from glmserve.engine.sampling_params import SamplingParams
+from glmserve.core.generation import SamplingParams, TokenEvent
 from glmserve.kv.block_pool import OutOfBlocks
 from glmserve.kv.transfer import KVTransferBackend, TransferStamp
 from glmserve.services.decode.arrivals import TransferArrivals
-from glmserve.services.decode.flow import DecodeEvent, DecodeFlow, Stop
+from glmserve.services.decode.flow import DecodeFlow
 from glmserve.services.decode.flow_context import FlowContext
 from glmserve.services.decode.prefill_client import PrefillPort
 from glmserve.services.engine_thread import EngineThread
@@ -44,7 +44,7 @@ from glmserve.services.host_metrics import HostTierMetrics
 from glmserve.services.worker_metrics import TokenTimer, WorkerMetrics
 
 if TYPE_CHECKING:
-    from glmserve.engine.engine import Engine, StepOutput
+    from glmserve.engine.engine import Engine
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ class DecodeStream:
     def __init__(self, flow: DecodeFlow) -> None:
         self._flow = flow
 
-    def __aiter__(self) -> AsyncIterator[DecodeEvent]:
+    def __aiter__(self) -> AsyncIterator[TokenEvent]:
         return self._flow.events()
 
     def abort(self, reason: str = "client cancelled", label: str = "cancelled") -> None:
@@ -219,19 +219,18 @@ class DecodeWorker:
 
     # --- engine thread hooks ----------------------------------------------------------------------
 
-    def _on_step(self, engine: Engine, outputs: list[StepOutput]) -> None:
-        self._engine.post(self._route, outputs)
+    def _on_step(self, engine: Engine, events: list[TokenEvent]) -> None:
+        self._engine.post(self._route, events)
 
     def _on_step_error(self, engine: Engine, error: BaseException) -> None:
         keys = list(engine.requests)
         for key in keys:
             engine.abort(key)
-        stop = Stop("error", f"decode engine step failed: {error!r}")
-        self._engine.post(self._route, [(key, stop) for key in keys])
+        message = f"decode engine step failed: {error!r}"
+        self._engine.post(self._route, [TokenEvent.ended(key, "error", message) for key in keys])
 
-    def _route(self, outputs: list[StepOutput] | list[tuple[str, Stop]]) -> None:
-        for item in outputs:
-            key = item[0] if isinstance(item, tuple) else item.request_id
-            flow = self._by_key.get(key)
+    def _route(self, events: list[TokenEvent]) -> None:
+        for event in events:
+            flow = self._by_key.get(event.request_id)
             if flow is not None:
-                flow.outputs.put_nowait(item[1] if isinstance(item, tuple) else item)
+                flow.outputs.put_nowait(event)

@@ -12,10 +12,10 @@ import grpc
 
 from glmserve.proto_gen.glmserve.prefill.v1 import prefill_pb2 as pb
 from glmserve.proto_gen.glmserve.prefill.v1 import prefill_pb2_grpc as pb_grpc
+from glmserve.services.generation_proto import sampling_from_proto
 from glmserve.services.prefill.job import PrefillAborted, PrefillError, PrefillJob
 from glmserve.services.prefill.replica import StagedPrefill
 from glmserve.services.prefill.worker import PrefillWorker
-from glmserve.services.sampling_proto import from_proto
 
 
 class PrefillServicer(pb_grpc.PrefillServicer):
@@ -63,7 +63,7 @@ def _job(request: pb.PrefillRequest) -> PrefillJob:
         request_id=request.transfer.request_id,
         generation=request.transfer.generation,
         prompt_ids=list(request.prompt_ids),
-        params=from_proto(request.sampling),
+        params=sampling_from_proto(request.sampling),
         decode_target=request.decode_target,
         dest_block_ids=list(request.dest_block_ids),
         transfer_kind=request.transfer_kind,

@@ -23,9 +23,9 @@ from glmserve.kv.transfer import TransferError
 from glmserve.proto_gen.glmserve.common.v1 import generation_pb2 as common_pb
 from glmserve.proto_gen.glmserve.prefill.v1 import prefill_pb2, stage_pb2
 from glmserve.proto_gen.glmserve.prefill.v1 import stage_pb2_grpc as pb_grpc
+from glmserve.services.generation_proto import sampling_to_proto as to_proto
 from glmserve.services.prefill.stage_job import StageJobSpec, StageOutcome
 from glmserve.services.prefill.stage_worker import StageWorker
-from glmserve.services.sampling_proto import to_proto
 
 T = TypeVar("T")
 

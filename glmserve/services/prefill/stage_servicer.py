@@ -18,9 +18,9 @@ from glmserve.kv.block_pool import OutOfBlocks
 from glmserve.kv.transfer import TransferError
 from glmserve.proto_gen.glmserve.prefill.v1 import prefill_pb2, stage_pb2
 from glmserve.proto_gen.glmserve.prefill.v1 import stage_pb2_grpc as pb_grpc
+from glmserve.services.generation_proto import sampling_from_proto as from_proto
 from glmserve.services.prefill.stage_job import StageJobSpec
 from glmserve.services.prefill.stage_worker import StageWorker
-from glmserve.services.sampling_proto import from_proto
 
 T = TypeVar("T")
 

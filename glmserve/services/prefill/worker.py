@@ -31,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from glmserve.core.generation import TokenEvent
 from glmserve.kv.transfer import KVTransferBackend, TransferError, TransferHandle, TransferStamp
 from glmserve.services.engine_thread import EngineThread
 from glmserve.services.host_link import HostLink, HostSettings, LoadAborted, Loaded
@@ -52,7 +53,7 @@ from glmserve.services.worker_metrics import WorkerMetrics
 if TYPE_CHECKING:
     import torch
 
-    from glmserve.engine.engine import Engine, StepOutput
+    from glmserve.engine.engine import Engine
     from glmserve.engine.request import Request
 
 log = logging.getLogger(__name__)
@@ -295,8 +296,8 @@ class PrefillWorker:
 
     # --- engine thread hooks ----------------------------------------------------------------------
 
-    def _on_step(self, engine: Engine, outputs: list[StepOutput]) -> None:
-        for out in outputs:
+    def _on_step(self, engine: Engine, events: list[TokenEvent]) -> None:
+        for out in events:
             req = engine.held.get(out.request_id) if out.finished else None
             if req is None:
                 continue

@@ -1,46 +1,17 @@
 """GenerationBackend: what the router needs from whatever generates tokens (one local engine, or
-prefill + decode workers over gRPC), and `GenerationEvent`, the unit it streams back.
-
-The router owns text: it detokenizes the ids, cuts stop strings and parses tool calls. A backend
-only moves token ids, so a remote decode worker never needs the tokenizer's special-token policy.
+prefill + decode workers over gRPC); it streams `glmserve.core.generation.TokenEvent`s back.
 """
 
 from __future__ import annotations
 
 import abc
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from glmserve.engine.sampling_params import SamplingParams
-
-FINISH_REASONS = frozenset({"stop", "length", "abort", "error"})
-
-
-@dataclass(frozen=True)
-class GenerationEvent:
-    """New output of one request since its previous event.
-
-    - ``token_ids``: newly generated ids, in order; a final eos / stop token is included (it counts
-      as generated) but is not visible text.
-    - ``logprobs``: log-probability of each id in ``token_ids`` when the request asked for logprobs
-      (``params.logprobs`` is not None), else empty.
-    - ``finished`` / ``finish_reason``: the last event of a stream has ``finished=True`` and a reason
-      in ``FINISH_REASONS``; "stop" covers eos, stop token ids and stop strings.
-    - ``num_cached_tokens``: prompt tokens served from the prefix cache (known once the request was
-      admitted; 0 before).
-    - ``error``: a message when ``finish_reason == "error"``.
-    """
-
-    request_id: str
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    finished: bool = False
-    finish_reason: str | None = None
-    num_cached_tokens: int = 0
-    error: str | None = None
+from glmserve.core.generation import SamplingParams, TokenEvent
 
 
 @dataclass(frozen=True)
@@ -64,11 +35,11 @@ class BackendUnavailable(Exception):
 class GenerationBackend(abc.ABC):
     """Contract every backend keeps (the router relies on each point):
 
-    - ``generate(request_id, prompt_ids, params)`` is an async iterator of `GenerationEvent` for that
-      request, in order, ending with exactly one event with ``finished=True``. ``request_id`` is
-      unique among running requests (the router makes it). ``params`` is already validated and
-      ``len(prompt_ids) + params.max_tokens`` fits the model's context. Stop strings in ``params``
-      are enforced by the backend (it stops generating); cutting the text is the router's job.
+    - ``generate(request_id, prompt_ids, params)`` is an async iterator of `TokenEvent` for that
+      request, in order, ending with exactly one event with ``finished``. Its events' ``request_id``
+      is the one given. ``request_id`` is unique among running requests (the router makes it).
+      ``params`` is already validated and ``len(prompt_ids) + params.max_tokens`` fits the model's
+      context. Stop strings in ``params`` are enforced by the backend (it stops generating).
       It may raise `BackendUnavailable` before yielding anything.
     - ``abort(request_id)`` stops the request everywhere at once and frees its resources; it is
       idempotent, never raises for an unknown or finished id, and returns without waiting for a
@@ -85,7 +56,7 @@ class GenerationBackend(abc.ABC):
     def generate(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams,
         hints: RequestHints | None = None,
-    ) -> AsyncIterator[GenerationEvent]:
+    ) -> AsyncIterator[TokenEvent]:
         """Stream the request's events (see the class docstring); ``hints`` may steer caching and
         placement, never the tokens."""
 

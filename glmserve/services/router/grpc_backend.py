@@ -34,7 +34,7 @@ from typing import Any
 
 import grpc
 
-from glmserve.engine.sampling_params import SamplingParams
+from glmserve.core.generation import SamplingParams, TokenEvent
 from glmserve.proto_gen.glmserve.common.v1 import generation_pb2 as common_pb
 from glmserve.proto_gen.glmserve.decode.v1 import decode_pb2 as decode_pb
 from glmserve.proto_gen.glmserve.decode.v1 import decode_pb2_grpc as decode_grpc
@@ -42,11 +42,10 @@ from glmserve.proto_gen.glmserve.kvstore.v1 import kvstore_pb2 as kvstore_pb
 from glmserve.proto_gen.glmserve.kvstore.v1 import kvstore_pb2_grpc as kvstore_grpc
 from glmserve.proto_gen.glmserve.prefill.v1 import prefill_pb2 as prefill_pb
 from glmserve.proto_gen.glmserve.prefill.v1 import prefill_pb2_grpc as prefill_grpc
-from glmserve.services import sampling_proto
+from glmserve.services.generation_proto import event_from_proto, sampling_to_proto
 from glmserve.services.router.backend import (
     BackendUnavailable,
     GenerationBackend,
-    GenerationEvent,
     RequestHints,
 )
 from glmserve.services.router.prefill_routing import RoutingConfig
@@ -65,15 +64,8 @@ _CHANNEL_OPTIONS = [
 _RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
 
 
-def event_from_proto(request_id: str, msg: decode_pb.GenerateEvent) -> GenerationEvent:
-    return GenerationEvent(
-        request_id, list(msg.token_ids), list(msg.logprobs), msg.finished,
-        msg.finish_reason or None, msg.num_cached_tokens, msg.error or None,
-    )
-
-
-def _error_event(request_id: str, message: str) -> GenerationEvent:
-    return GenerationEvent(request_id, finished=True, finish_reason="error", error=message)
+def _error_event(request_id: str, message: str) -> TokenEvent:
+    return TokenEvent.ended(request_id, "error", message)
 
 
 @dataclass
@@ -167,7 +159,7 @@ class DisaggregatedBackend(GenerationBackend):
     async def generate(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams,
         hints: RequestHints | None = None,
-    ) -> AsyncIterator[GenerationEvent]:
+    ) -> AsyncIterator[TokenEvent]:
         if not self._started or self._closed:
             raise BackendUnavailable("the router is not connected to workers")
         if request_id in self._streams:
@@ -194,10 +186,10 @@ class DisaggregatedBackend(GenerationBackend):
     async def _attempts(
         self, request_id: str, stream: _Stream, prompt_ids: list[int], params: SamplingParams,
         hints: RequestHints,
-    ) -> AsyncIterator[GenerationEvent]:
+    ) -> AsyncIterator[TokenEvent]:
         """Try decode workers until one streams (see the module docstring for the failure rules)."""
         tried: list[str] = []
-        sampling = sampling_proto.to_proto(params)
+        sampling = sampling_to_proto(params)
         while True:
             decode = self.decode_pool.choose(exclude=tried)
             if decode is None:
@@ -207,7 +199,7 @@ class DisaggregatedBackend(GenerationBackend):
                 raise BackendUnavailable("no healthy prefill worker")
             prefill = routed.address
             if stream.aborted:
-                yield GenerationEvent(request_id, finished=True, finish_reason="abort")
+                yield TokenEvent.ended(request_id, "abort")
                 return
             request = decode_pb.GenerateRequest(
                 transfer=common_pb.TransferId(request_id=request_id, generation=next(self._generations)),
@@ -229,7 +221,7 @@ class DisaggregatedBackend(GenerationBackend):
     async def _relay(
         self, request_id: str, stream: _Stream, decode: str, routed: RoutedPrefill,
         retry: list[grpc.aio.AioRpcError],
-    ) -> AsyncIterator[GenerationEvent]:
+    ) -> AsyncIterator[TokenEvent]:
         """Events of one attempt, ending with a final event; or nothing, with the error appended to
         ``retry``, when the call failed retryably before its first event."""
         prefill = routed.address
@@ -254,7 +246,7 @@ class DisaggregatedBackend(GenerationBackend):
                     return
         except grpc.aio.AioRpcError as e:
             if stream.aborted and e.code() == grpc.StatusCode.CANCELLED:
-                yield GenerationEvent(request_id, finished=True, finish_reason="abort")
+                yield TokenEvent.ended(request_id, "abort")
                 return
             if e.code() == grpc.StatusCode.UNAVAILABLE:  # the worker is gone or unreachable
                 self._suspect(self.decode_pool, decode, f"{e.code().name}: {e.details()}")
@@ -267,7 +259,7 @@ class DisaggregatedBackend(GenerationBackend):
             # this task itself (cancelling() > 0) must propagate.
             task = asyncio.current_task()
             if stream.aborted and task is not None and task.cancelling() == 0:
-                yield GenerationEvent(request_id, finished=True, finish_reason="abort")
+                yield TokenEvent.ended(request_id, "abort")
                 return
             raise
         finally:

@@ -26,7 +26,7 @@ import uvicorn
 
 from glmserve.services.router.app import create_app
 from glmserve.services.router.grpc_backend import DisaggregatedBackend
-from glmserve.services.router.prefill_routing import RoutingConfig
+from glmserve.services.router.prefill_routing import POLICIES, RoutingConfig
 from glmserve.services.router.worker_pool import check_address
 from glmserve.text.tokenizer import Tokenizer
 
@@ -88,9 +88,12 @@ class RouterConfig:
                        help="fraction of a host-tier hit counted as saved prefill (device hits: 1)")
         p.add_argument("--shared-prefix-fraction", type=float, default=r.shared_prefix_fraction,
                        help="a hit below this fraction of the prompt does not justify a busier worker")
+        p.add_argument("--routing", choices=POLICIES, default=r.policy,
+                       help="prefill choice: by cached prefix and load, by load alone, or in turn")
         a = p.parse_args(argv)
         routing = RoutingConfig(host_credit=a.host_credit, max_imbalance=a.max_imbalance,
-                                shared_prefix_fraction=a.shared_prefix_fraction, session_ttl_s=a.session_ttl_s)
+                                shared_prefix_fraction=a.shared_prefix_fraction, session_ttl_s=a.session_ttl_s,
+                                policy=a.routing)
         return cls(a.model, tuple(a.decode), tuple(a.prefill), a.host, a.port, a.kvstore,
                    tuple(a.api_keys), a.served_model_name, a.poll_interval_s, routing=routing)
 

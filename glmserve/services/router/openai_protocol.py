@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any
 
-from glmserve.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from glmserve.core.generation import MAX_LOGPROBS, SamplingParams
 from glmserve.services.router.errors import (
     context_length_exceeded,
     from_value_error,

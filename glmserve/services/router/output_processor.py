@@ -14,9 +14,8 @@ from __future__ import annotations
 import codecs
 from dataclasses import dataclass, field
 
-from glmserve.engine.sampling_params import SamplingParams
-from glmserve.engine.stop_checker import StopChecker
-from glmserve.services.router.backend import GenerationEvent
+from glmserve.core.generation import SamplingParams, TokenEvent
+from glmserve.core.stop_checker import StopChecker
 from glmserve.text.special_tokens import (
     ARG_KEY_END,
     ARG_KEY_START,
@@ -47,7 +46,7 @@ class TextDelta:
 
 
 class OutputProcessor:
-    """Feed every `GenerationEvent` of one request to `push`, in order."""
+    """Feed every `TokenEvent` of one request to `push`, in order."""
 
     def __init__(self, tokenizer: Tokenizer, params: SamplingParams, keep_tool_markup: bool = False):
         self._tokenizer = tokenizer
@@ -67,7 +66,7 @@ class OutputProcessor:
     def text(self) -> str:
         return self._text
 
-    def push(self, event: GenerationEvent) -> TextDelta:
+    def push(self, event: TokenEvent) -> TextDelta:
         """Text (and logprobs) newly safe to send; with ``event.finished`` everything is flushed."""
         self.num_generated += len(event.token_ids)
         self.num_cached_tokens = max(self.num_cached_tokens, event.num_cached_tokens)

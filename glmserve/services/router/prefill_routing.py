@@ -26,6 +26,11 @@ Guards, in order:
 Reasons (for metrics): ``session``, ``cache_hit`` (the winner holds part of the prompt),
 ``load`` (no candidate holds any of it), ``herding_guard``, and ``fallback`` when the index could
 not be asked and no candidate's hit is known (the decision is by load alone).
+
+``policy`` (the router's ``--routing``): ``cache_aware`` is all of the above; ``least_loaded`` the
+same cost told of no cache hits and no sessions (load balance alone, reason ``load``);
+``round_robin`` takes the candidates in turn whatever their load (reason ``round_robin``). The last
+two are baselines for measuring what cache awareness buys.
 """
 
 from __future__ import annotations
@@ -36,7 +41,8 @@ from dataclasses import dataclass
 from glmserve.core.block_hash import reusable_blocks
 from glmserve.services.router.session_affinity import SessionAffinity
 
-REASONS = ("cache_hit", "session", "load", "herding_guard", "fallback")
+REASONS = ("cache_hit", "session", "load", "herding_guard", "fallback", "round_robin")
+POLICIES = ("cache_aware", "least_loaded", "round_robin")
 
 
 @dataclass(frozen=True)
@@ -46,8 +52,11 @@ class RoutingConfig:
     shared_prefix_fraction: float = 0.5
     unknown_request_tokens: int = 512
     session_ttl_s: float = 600.0
+    policy: str = "cache_aware"
 
     def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy: must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         if not 0.0 <= self.host_credit <= 1.0:
             raise ValueError(f"host_credit: must be in [0, 1], got {self.host_credit}")
         if self.max_imbalance < 0:
@@ -94,6 +103,8 @@ class PrefillRouting:
         ``index_known``: False when neither the index nor a local view could be asked."""
         if not candidates:
             return None
+        if self.config.policy != "cache_aware":
+            return self._baseline(candidates, num_prompt_tokens)
         reusable = reusable_blocks(num_prompt_tokens, block_size) * block_size
         hits = {c.address: self._hits(c, reusable, block_size) for c in candidates}
         min_load = min(c.load for c in candidates)
@@ -105,6 +116,15 @@ class PrefillRouting:
         return decision
 
     # -- parts ------------------------------------------------------------------------------------
+
+    def _baseline(self, candidates: Sequence[PrefillCandidate], n: int) -> RoutingDecision:
+        """``least_loaded`` or ``round_robin``: no hits, no sessions."""
+        none = (0, 0)
+        if self.config.policy == "round_robin":
+            chosen = candidates[self._turn % len(candidates)]
+            self._turn = (self._turn + 1) % len(candidates)
+            return self._decision(chosen, "round_robin", n, none)
+        return self._decision(self._cheapest(candidates, n, {c.address: none for c in candidates}), "load", n, none)
 
     def _hits(self, c: PrefillCandidate, reusable: int, block_size: int) -> tuple[int, int]:
         device = min(c.device_blocks * block_size, reusable)

@@ -16,12 +16,11 @@ from typing import Any
 
 import anyio
 
-from glmserve.engine.sampling_params import SamplingParams
+from glmserve.core.generation import SamplingParams, TokenEvent
 from glmserve.services.router import openai_responses as resp
 from glmserve.services.router.backend import (
     BackendUnavailable,
     GenerationBackend,
-    GenerationEvent,
     RequestHints,
 )
 from glmserve.services.router.errors import APIError, internal_error, service_unavailable
@@ -62,7 +61,7 @@ class Generation:
         self.disconnected = True
         await self.backend.abort(self.request_id)
 
-    async def events(self) -> AsyncIterator[GenerationEvent]:
+    async def events(self) -> AsyncIterator[TokenEvent]:
         """The backend's events; raises `APIError` on a backend failure; ends quietly (with
         `disconnected` set) when the client went away."""
         # Tracked from here, not from construction: a stream that never starts holds nothing.

@@ -23,20 +23,26 @@ class GenerateRequest(_message.Message):
     def __init__(self, transfer: _Optional[_Union[_generation_pb2.TransferId, _Mapping]] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.Sampling, _Mapping]] = ..., prefill_target: _Optional[str] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class GenerateEvent(_message.Message):
-    __slots__ = ("token_ids", "logprobs", "finished", "finish_reason", "error", "num_cached_tokens")
+    __slots__ = ("token_ids", "logprobs", "finish_reason", "error", "num_cached_tokens", "text", "top_logprobs", "stop_token_id", "stop_string")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
-    FINISHED_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    STOP_STRING_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
-    finished: bool
     finish_reason: str
     error: str
     num_cached_tokens: int
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., error: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
+    text: str
+    top_logprobs: _containers.RepeatedCompositeFieldContainer[_generation_pb2.TopLogprobs]
+    stop_token_id: int
+    stop_string: str
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[str] = ..., error: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., text: _Optional[str] = ..., top_logprobs: _Optional[_Iterable[_Union[_generation_pb2.TopLogprobs, _Mapping]]] = ..., stop_token_id: _Optional[int] = ..., stop_string: _Optional[str] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("transfer", "reason")

@@ -1,15 +1,24 @@
-"""SamplingParams: how one request turns logits into tokens and when it stops.
+"""The generation contract: what a request asks of generation and what flows back, torch-free.
 
-Torch-free on purpose: the router builds and validates these from an OpenAI request body, and the
-engine consumes them. Every invalid value raises ``ValueError`` whose message starts with the field
-name, so the router can answer a 400 naming the parameter.
+Every layer speaks these types: the router builds `SamplingParams` from an OpenAI body, the proto
+converters carry them, the engine consumes them; the engine's step returns `TokenEvent`s, which
+decode, both proto converters and every router backend carry unchanged (DESIGN invariant 10).
+
+- `SamplingParams`: sampling and stop rules of one request (validated on construction; each
+  ``ValueError`` message starts with the field's name, so the router can answer a 400 naming it).
+- `FinishReason`: why a request ended. "stop": an eos token, a stop token id or a stop string;
+  "length": ``max_tokens`` reached; "abort": stopped by a client, an operator or shutdown;
+  "error": generation failed (the event's ``error`` says why).
+- `TokenEvent`: new output of one request since its previous event (see its docstring).
+
+This module imports nothing else of glmserve and never torch (the router imports it).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 # Below this temperature we take the argmax: dividing logits by it would overflow float32.
 GREEDY_TEMPERATURE = 1e-5
@@ -102,3 +111,57 @@ class SamplingParams:
     @property
     def top_k_enabled(self) -> bool:
         return self.top_k >= 1
+
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+FINISH_REASONS: frozenset[str] = frozenset({"stop", "length", "abort", "error"})
+
+TopLogprobs = list[tuple[int, float]]
+"""The most likely tokens at one position, as (token id, logprob), most likely first."""
+
+
+@dataclass(frozen=True, slots=True)
+class TokenEvent:
+    """New output of one request since its previous event; a stream of them ends with exactly one
+    event whose ``finish_reason`` is set (``finished``).
+
+    - ``token_ids``: newly generated ids, in order (one, or several with speculative decoding).
+      A final eos / stop token id is included (it counts as generated) but is not in ``text``.
+    - ``text``: the text these ids add, made once where the engine runs (incremental detokenizer,
+      special tokens hidden unless asked for, stop strings applied: the text ends before a stop
+      string, and a tail that could still become one is held back until it cannot). Consumers
+      append it; they never decode ids again.
+    - ``logprobs``: per id in ``token_ids``, its log-probability under the model's raw distribution
+      (log_softmax of the logits, before temperature, penalties or masks); empty unless
+      ``params.logprobs`` is not None.
+    - ``top_logprobs``: per id in ``token_ids``, the ``params.logprobs`` most likely tokens at that
+      position; empty unless ``params.logprobs`` >= 1.
+    - ``finish_reason`` / ``stop_reason``: set on the last event. ``stop_reason`` is the stop token
+      id or stop string that ended the request (None for eos, length, abort, error), as in vLLM.
+    - ``num_cached_tokens``: prompt tokens served from the prefix cache (0 until known).
+    - ``error``: what went wrong, with ``finish_reason == "error"`` (or why, with "abort").
+
+    Fields are not copied: producers hand over lists they no longer mutate.
+    """
+
+    request_id: str
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[TopLogprobs] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @classmethod
+    def ended(cls, request_id: str, reason: FinishReason, error: str | None = None,
+              num_cached_tokens: int = 0) -> TokenEvent:
+        """A final event without new tokens ("abort" or "error", with what happened)."""
+        if reason not in FINISH_REASONS:
+            raise ValueError(f"finish_reason: must be one of {sorted(FINISH_REASONS)}, got {reason!r}")
+        return cls(request_id, finish_reason=reason, error=error, num_cached_tokens=num_cached_tokens)

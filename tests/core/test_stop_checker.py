@@ -2,8 +2,8 @@ import random
 
 import pytest
 
-from glmserve.engine.sampling_params import SamplingParams
-from glmserve.engine.stop_checker import StopChecker, TextCheck, TokenCheck
+from glmserve.core.generation import SamplingParams
+from glmserve.core.stop_checker import StopChecker, TextCheck, TokenCheck
 
 EOS = 2
 

@@ -22,11 +22,10 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from glmserve.engine.sampling_params import SamplingParams
+from glmserve.core.generation import SamplingParams, TokenEvent
 from glmserve.services.router.backend import (
     BackendUnavailable,
     GenerationBackend,
-    GenerationEvent,
     RequestHints,
 )
 
@@ -48,7 +47,7 @@ class LocalEngineBackend(GenerationBackend):
         self._factory = engine_factory
         self._max_pending = max_pending
         self._commands: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
-        self._streams: dict[str, asyncio.Queue[GenerationEvent]] = {}  # event-loop thread only
+        self._streams: dict[str, asyncio.Queue[TokenEvent]] = {}  # event-loop thread only
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._loaded = threading.Event()
@@ -84,7 +83,7 @@ class LocalEngineBackend(GenerationBackend):
         self._commands.put(("stop",))
         await asyncio.to_thread(self._thread.join)
         for request_id in list(self._streams):
-            self._deliver(GenerationEvent(request_id, finished=True, finish_reason="abort"))
+            self._deliver(TokenEvent.ended(request_id, "abort"))
 
     def ready(self) -> bool:
         alive = self._thread is not None and self._thread.is_alive() and not self._closed
@@ -93,12 +92,12 @@ class LocalEngineBackend(GenerationBackend):
     async def generate(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams,
         hints: RequestHints | None = None,
-    ) -> AsyncIterator[GenerationEvent]:
+    ) -> AsyncIterator[TokenEvent]:
         if not self._loaded.is_set() or self._closed or not self._thread.is_alive():
             raise BackendUnavailable("the engine is not running")
         if request_id in self._streams:
             raise ValueError(f"request_id: {request_id!r} is already running")
-        events: asyncio.Queue[GenerationEvent] = asyncio.Queue()
+        events: asyncio.Queue[TokenEvent] = asyncio.Queue()
         self._streams[request_id] = events
         salt = hints.cache_salt if hints is not None else None  # one engine: no placement to steer
         self._commands.put(("add", request_id, list(prompt_ids), params, salt))
@@ -124,16 +123,16 @@ class LocalEngineBackend(GenerationBackend):
 
     # --- event-loop side --------------------------------------------------------------------------
 
-    def _deliver(self, event: GenerationEvent) -> None:
+    def _deliver(self, event: TokenEvent) -> None:
         stream = self._streams.get(event.request_id)
         if stream is not None:  # None: the consumer already left; its abort is queued
             stream.put_nowait(event)
 
     def _fail_all(self, message: str) -> None:
         for request_id in list(self._streams):
-            self._deliver(GenerationEvent(request_id, finished=True, finish_reason="error", error=message))
+            self._deliver(TokenEvent.ended(request_id, "error", message))
 
-    def _post(self, event: GenerationEvent) -> None:
+    def _post(self, event: TokenEvent) -> None:
         try:
             self._loop.call_soon_threadsafe(self._deliver, event)
         except RuntimeError:  # the loop is closed: nobody is listening any more
@@ -149,7 +148,7 @@ class LocalEngineBackend(GenerationBackend):
             self.load_error = e
             return
         self._loaded.set()
-        live: dict[str, Any] = {}  # request id -> engine Request, for the cached-token count
+        live: set[str] = set()  # ids of the requests in the engine
         try:
             while self._drain(engine, live, block=not engine.has_unfinished()):
                 if engine.has_unfinished():
@@ -159,7 +158,7 @@ class LocalEngineBackend(GenerationBackend):
             self._loop.call_soon_threadsafe(self._fail_all, repr(e))
             raise
 
-    def _drain(self, engine: Engine, live: dict[str, Any], block: bool) -> bool:
+    def _drain(self, engine: Engine, live: set[str], block: bool) -> bool:
         """Apply queued commands (waiting for one when ``block``); False once told to stop."""
         try:
             command = self._commands.get() if block else self._commands.get_nowait()
@@ -173,8 +172,8 @@ class LocalEngineBackend(GenerationBackend):
                 self._add(engine, live, *command[1:])
             elif kind == "abort":
                 if engine.abort(command[1]) or command[1] in live:
-                    live.pop(command[1], None)
-                    self._post(GenerationEvent(command[1], finished=True, finish_reason="abort"))
+                    live.discard(command[1])
+                    self._post(TokenEvent.ended(command[1], "abort"))
             elif kind == "call":
                 _, fn, future = command
                 try:
@@ -189,40 +188,29 @@ class LocalEngineBackend(GenerationBackend):
     def _add(
         self,
         engine: Engine,
-        live: dict[str, Any],
+        live: set[str],
         request_id: str,
         prompt_ids: list[int],
         params: SamplingParams,
         cache_salt: str | None,
     ) -> None:
         try:
-            live[request_id] = engine.add_request(request_id, prompt_ids, params, cache_salt=cache_salt)
+            engine.add_request(request_id, prompt_ids, params, cache_salt=cache_salt)
+            live.add(request_id)
         except ValueError as e:
-            self._post(GenerationEvent(request_id, finished=True, finish_reason="error", error=str(e)))
+            self._post(TokenEvent.ended(request_id, "error", str(e)))
 
-    def _step(self, engine: Engine, live: dict[str, Any]) -> None:
+    def _step(self, engine: Engine, live: set[str]) -> None:
         try:
-            outputs = engine.step()
+            events = engine.step()
         except Exception as e:  # a bug or an exhausted resource: fail what runs, keep serving
             log.exception("engine step failed; aborting %d running requests", len(live))
             for request_id in list(live):
                 engine.abort(request_id)
-                self._post(GenerationEvent(request_id, finished=True, finish_reason="error", error=repr(e)))
+                self._post(TokenEvent.ended(request_id, "error", repr(e)))
             live.clear()
             return
-        for out in outputs:
-            req = live.get(out.request_id)
-            if out.finished:
-                live.pop(out.request_id, None)
-            if not out.new_token_ids and not out.finished:
-                continue  # a prefill chunk: nothing to tell yet
-            self._post(
-                GenerationEvent(
-                    out.request_id,
-                    list(out.new_token_ids),
-                    list(out.new_logprobs),
-                    out.finished,
-                    out.finish_reason,
-                    num_cached_tokens=req.num_cached_prompt if req is not None else 0,
-                )
-            )
+        for event in events:
+            if event.finished:
+                live.discard(event.request_id)
+            self._post(event)

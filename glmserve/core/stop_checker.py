@@ -21,9 +21,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from glmserve.engine.sampling_params import SamplingParams
+from glmserve.core.generation import SamplingParams
 
-FinishReason = Literal["stop", "length"]
+TokenFinish = Literal["stop", "length"]  # what tokens alone can end with
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,7 @@ class TokenCheck:
 
     num_kept: int
     num_visible: int
-    finish_reason: FinishReason | None
+    finish_reason: TokenFinish | None
     stop_token_id: int | None = None
 
 
@@ -60,7 +60,7 @@ class StopChecker:
         self._stop_ids = frozenset(params.stop_token_ids)
         self._eos_ids = frozenset(() if params.ignore_eos else eos_token_ids)
         self.num_tokens = 0
-        self.finish_reason: FinishReason | None = None
+        self.finish_reason: TokenFinish | None = None
         self.stop_reason: int | str | None = None
         self._searched = 0  # characters of text already searched for stop strings
         self._text_result: TextCheck | None = None  # set once a stop string matched

@@ -1,6 +1,6 @@
 import pytest
 
-from glmserve.engine.sampling_params import SamplingParams
+from glmserve.core.generation import FINISH_REASONS, SamplingParams, TokenEvent
 
 
 def test_defaults_are_valid_and_hashable():
@@ -64,3 +64,13 @@ def test_is_greedy(kwargs, greedy):
 def test_boundaries_accepted():
     SamplingParams(max_tokens=1, temperature=0, top_p=1.0, top_k=0, seed=-(2**63), logprobs=0)
     SamplingParams(top_k=1, seed=2**64 - 1, logprobs=20, stop=tuple("abcdefghijklmnop"))
+
+
+def test_token_event_is_finished_by_its_reason():
+    event = TokenEvent("r", [5, 6], "ab", [-0.1, -0.2], [[(5, -0.1)], [(6, -0.2)]])
+    assert not event.finished and event.error is None
+    done = TokenEvent.ended("r", "error", "boom", num_cached_tokens=3)
+    assert done.finished and done.token_ids == [] and done.error == "boom" and done.num_cached_tokens == 3
+    with pytest.raises(ValueError, match="^finish_reason:"):
+        TokenEvent.ended("r", "done")
+    assert FINISH_REASONS == {"stop", "length", "abort", "error"}

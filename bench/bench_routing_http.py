@@ -1,0 +1,167 @@
+"""Routing over HTTP: the Mooncake trace replayed through `glmserve serve` (real router, prefill
+and decode workers, kvstore) with ``--routing cache_aware``, ``least_loaded`` and ``round_robin``,
+by `glmserve bench replay`; then, with ``--agent``, agent sessions per routing policy as well.
+
+For each round, each policy in turn (rotated every round, so each takes every place): start a
+fresh platform (empty caches), replay the same requests, stop it. Prints one markdown row per run
+with the report's figures, and the platform's CPU share (CPU seconds of all its processes / (wall
+x cores)) and the load average, so a reader sees how much of the machine the run got.
+
+    python bench/bench_routing_http.py --out runs/routing [--rounds 1 --prefill-workers 2
+        --replay-args "--max-requests 200 --tokens-per-block 32 --time-scale 2 --max-output-tokens 32"]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+POLICIES = ("cache_aware", "least_loaded", "round_robin")
+REPLAY = "--max-requests 200 --tokens-per-block 32 --time-scale 2 --max-output-tokens 32 --slo ttft=5,tpot=0.5"
+AGENT = ("--sessions 8 --turns 5 --concurrency 4 --max-output-tokens 24 --system-tokens 400 --repo-tokens 800 "
+         "--tool-result-tokens 200 --tools 4 --think-s 1 --tool-wait-s 0.5 --cancel-after-chunks 4 "
+         "--cancel-fraction 0.1 --slo ttft=5,tpot=0.5")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--prefill-workers", type=int, default=2)
+    p.add_argument("--decode-workers", type=int, default=1)
+    p.add_argument("--policies", default=",".join(POLICIES))
+    p.add_argument("--replay-args", default=REPLAY)
+    p.add_argument("--agent", action="store_true", help="also run agent sessions per policy")
+    p.add_argument("--agent-args", default=AGENT)
+    p.add_argument("--skip-replay", action="store_true")
+    p.add_argument("--serve-args", default="", help="more `glmserve serve` arguments, e.g. --host-tier-bytes 0")
+    return p.parse_args(argv)
+
+
+def _cpu_seconds(root: int) -> float:
+    """utime + stime of ``root`` and every live descendant (from /proc)."""
+    parents, times = {}, {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        pid = int(stat.parent.name)
+        parents[pid], times[pid] = int(fields[1]), (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    total, frontier = 0.0, [root]
+    while frontier:
+        pid = frontier.pop()
+        total += times.get(pid, 0.0)
+        frontier += [c for c, p in parents.items() if p == pid]
+    return total
+
+
+def _load() -> str:
+    return Path("/proc/loadavg").read_text().split()[0]
+
+
+class Platform:
+    def __init__(self, policy: str, args: argparse.Namespace, log: Path):
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        self.log = log.open("w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "glmserve.cli", "serve", "--port", "0", "--routing", policy,
+             "--prefill-workers", str(args.prefill_workers), "--decode-workers", str(args.decode_workers),
+             *shlex.split(args.serve_args)],
+            stdout=subprocess.PIPE, stderr=self.log, text=True, env=env, cwd=REPO)
+        self.url = None
+        for line in self.proc.stdout:
+            match = re.search(r"serving \S+ at (http://\S+)/v1", line)
+            if match:
+                self.url = match.group(1)
+                break
+        if self.url is None:
+            raise RuntimeError(f"glmserve serve did not start; see {log}")
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGINT)
+        self.proc.wait(timeout=120)
+        self.log.close()
+
+
+def start_platform(policy: str, args: argparse.Namespace, log: Path, attempts: int = 3) -> Platform:
+    """A platform start can lose a race for a free port to another process on a busy machine: retry."""
+    for attempt in range(attempts):
+        try:
+            return Platform(policy, args, log)
+        except RuntimeError:
+            if attempt == attempts - 1:
+                raise
+            print(f"(glmserve serve did not start, attempt {attempt + 1}; see {log}; retrying)", file=sys.stderr)
+    raise AssertionError("unreachable")
+
+
+def run_one(kind: str, policy: str, round_: int, args: argparse.Namespace) -> dict:
+    out = args.out / f"{kind}-{policy}-r{round_}"
+    platform = start_platform(policy, args, args.out / f"{kind}-{policy}-r{round_}.serve.log")
+    try:
+        load_start, cpu_start, wall_start = _load(), _cpu_seconds(platform.proc.pid), time.monotonic()
+        extra = shlex.split(args.replay_args if kind == "replay" else args.agent_args)
+        cmd = [sys.executable, "-m", "glmserve.cli", "bench", kind, "--url", platform.url, "--out", str(out),
+               "--metrics", "--no-progress", *extra]
+        subprocess.run(cmd, check=False, env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=REPO,
+                       stdout=subprocess.DEVNULL)
+        wall = time.monotonic() - wall_start
+        share = (_cpu_seconds(platform.proc.pid) - cpu_start) / (wall * (os.cpu_count() or 1))
+        load_end = _load()
+    finally:
+        platform.stop()
+    report = json.loads((out / "report.json").read_text())
+    decisions = {re.search(r'reason="([^"]+)"', k).group(1): int(v)
+                 for k, v in report.get("server_metrics_delta", {}).items()
+                 if k.startswith("glmserve_router_routing_decisions_total")}
+    return {"kind": kind, "policy": policy, "round": round_, "report": report, "wall": wall, "share": share,
+            "load": f"{load_start} -> {load_end}", "decisions": decisions, "dir": out}
+
+
+def row(r: dict) -> str:
+    rep = r["report"]
+    total = sum(r["decisions"].values()) or 1
+    decisions = ", ".join(f"{k} {v / total:.0%}" for k, v in sorted(r["decisions"].items()) if v)
+    cells = [r["policy"], r["round"], f"{rep['completed']}/{rep['requests']}", rep["errors"], rep["cancelled"],
+             f"{rep['cached_token_ratio']:.1%}", *(f"{rep[k]['p50']:.2f} / {rep[k]['p90']:.2f}"
+                                                 if rep[k]["p50"] is not None else "-" for k in ("ttft_s", "e2e_s")),
+             f"{rep['itl_s']['p50'] * 1000:.1f}" if rep["itl_s"]["p50"] is not None else "-", f"{rep['output_tokens_per_s']:.1f}",
+             f"{rep['goodput_fraction']:.0%}", decisions or "-", f"{r['share']:.0%}", r["load"]]
+    return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
+HEADER = ("| routing | round | completed | errors | cancelled | cached-token ratio | TTFT p50 / p90 s | "
+          "E2E p50 / p90 s | ITL p50 ms | output tok/s | goodput | decisions | platform CPU | load avg |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    policies = args.policies.split(",")
+    kinds = ([] if args.skip_replay else ["replay"]) + (["agent"] if args.agent else [])
+    print(f"- command: `python bench/bench_routing_http.py {shlex.join(argv if argv is not None else sys.argv[1:])}`")
+    print(f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {os.cpu_count()} CPUs; "
+          f"`glmserve serve --prefill-workers {args.prefill_workers} --decode-workers {args.decode_workers} "
+          f"{args.serve_args}`")
+    for kind in kinds:
+        print(f"\n{kind}: `glmserve bench {kind} {args.replay_args if kind == 'replay' else args.agent_args}`\n")
+        print(HEADER, flush=True)
+        for round_ in range(args.rounds):
+            for policy in policies[round_ % len(policies):] + policies[: round_ % len(policies)]:
+                print(row(run_one(kind, policy, round_, args)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
