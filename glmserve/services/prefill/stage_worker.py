@@ -315,7 +315,9 @@ class StageWorker:
 
     def _maybe_done(self, job: StageJobState) -> None:
         sent = self.settings.is_last or job.sent == job.num_chunks
-        if job.num_chunks and job.computed == job.num_chunks and sent and all(h.state == "done" for h in job.handles):
+        written = len(job.kv_handles) == len(job.writes)  # every write started (a checksum may delay one)
+        if (job.num_chunks and job.computed == job.num_chunks and sent and written
+                and all(h.state == "done" for h in job.handles)):
             writes = tuple((h.started, h.finished_at or h.started, h.num_bytes) for h in job.kv_handles)
             self._end(job, StageOutcome(True, handoff=job.handoff, computed_at=job.computed_at, writes=writes))
 
