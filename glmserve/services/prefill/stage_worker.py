@@ -176,8 +176,11 @@ class StageWorker:
         try:
             await self._engine.submit(lambda e: e.admit(job.spec.key, num_cached))
         except BaseException:
-            self._drop(job)
+            if not job.ending:
+                self._drop(job)
             raise
+        if job.ending:  # aborted while the blocks were allocated: its settling frees them
+            raise ValueError(f"request {request_id!r} generation {generation} was aborted here")
         n, bs = len(job.spec.prompt_ids), self._engine.snapshot.block_size
         spans = chunk_spans(num_cached, n, chunk_tokens)
         job.num_chunks = len(spans)
