@@ -201,6 +201,8 @@ class StageEngine:
         req.num_computed = end
         handoff = self._finish_chunk(req, start, out) if self.model.is_last else None
         self.kv.commit_full_blocks(req)
+        if self.config.check_integrity:
+            self.pool.check_integrity()
         return ChunkOutput(out, topks[0], handoff)
 
     def _finish_chunk(self, req: Request, start: int, hidden: torch.Tensor) -> PrefillHandoff | None:
