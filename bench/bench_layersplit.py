@@ -223,7 +223,7 @@ def kv_wide_model(logs: Path, bundled: str) -> str:
     init_random(model, std=0.02, generator=torch.Generator().manual_seed(0))
     save_model(model, path)
     (path / "config.json").write_text(json.dumps({**KV_WIDE, "architectures": ["GlmMoeDsaForCausalLM"]}))
-    for name in ("tokenizer.json", "tokenizer_config.json"):  # the cache key's tokenizer digest reads them
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):  # the workers read them
         shutil.copy(Path(bundled) / name, path / name)
     return str(path)
 
