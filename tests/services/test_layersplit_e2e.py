@@ -208,3 +208,25 @@ def test_host_tier_holds_whole_blocks_and_each_stage_loads_back_its_slice(oracle
     finally:
         codes = [decode.stop(), *replica.stop(), kvstore.stop()]
     assert codes == [0] * len(codes)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("split", ["0-7", "0-1,2-3,4-5,6-7"])
+def test_one_and_four_stage_replicas_equal_one_process(oracle, tmp_path, split):
+    """The same replica with one stage, or four of two layers (stages 2 and 3 start on full layer 2
+    and shared layer 4: one carries the top-k), gives the oracle's greedy tokens, streamed."""
+    stages = len(split.split(","))
+    replica = Replica.launch(stages, KIND, tmp_path, *STAGE_FLAGS, "--layer-split", split, name=f"r{stages}")
+    decode = WorkerProcess.launch("decode", KIND, tmp_path / "decode.log", "--checksum")
+    try:
+        replica.ready(300), decode.ready(300)
+        free = (replica.free_blocks(), decode.health().free_blocks)
+        rng = random.Random(7)
+        ps = _prompts(rng, 1, 5, 90) + _prompts(rng, 2, 300, 420)
+        outs = asyncio.run(_run_all(decode, [(f"n{stages}-{i}", p, {}) for i, p in enumerate(ps)], replica.address))
+        for p, out in zip(ps, outs, strict=True):
+            assert out.finish_reason in ("stop", "length") and out.tokens == oracle(p), out.error
+        _wait_idle(replica, decode, free)
+    finally:
+        codes = [decode.stop(), *replica.stop()]
+    assert codes == [0] * len(codes)
