@@ -28,7 +28,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench.bench_engine_throughput import code_prompts  # noqa: E402
-from bench.common import markdown_table, print_header, rotated, setup  # noqa: E402
+from bench.common import RunMonitor, markdown_table, print_header, rotated, setup  # noqa: E402
 from glmserve.core.generation import SamplingParams  # noqa: E402
 from glmserve.engine.engine import Engine, EngineConfig  # noqa: E402
 from glmserve.engine.engine_stats import EngineStats  # noqa: E402
@@ -105,6 +105,7 @@ def measure(engine: Engine, groups: list[list[list[int]]], params: SamplingParam
 def _row(kind: str, batch: int, cfg: str, runs: list[dict], base: list[dict], st: EngineStats, n: int) -> list:
     """One table row: medians over rounds, ratios to the baseline's run of the same round."""
     same = sum(o == q for o, q in zip(runs[0]["outputs"], base[0]["outputs"], strict=True)) / n
+    ratios = [r["tok/s"] / b["tok/s"] for r, b in zip(runs, base, strict=True)]
     ratio = [median(r[key] / b[key] for r, b in zip(runs, base, strict=True)) for key in ("tok/s", "decode tok/s")]
     return [
         kind,
@@ -113,6 +114,7 @@ def _row(kind: str, batch: int, cfg: str, runs: list[dict], base: list[dict], st
         runs[0]["tokens"],
         f"{median(r['tok/s'] for r in runs):.1f}",
         f"{ratio[0]:.2f}",
+        f"{min(ratios):.2f}-{max(ratios):.2f}",
         f"{median(r['decode tok/s'] for r in runs):.1f}",
         f"{ratio[1]:.2f}",
         f"{st.mean_acceptance_length:.2f}",
@@ -125,6 +127,7 @@ def _row(kind: str, batch: int, cfg: str, runs: list[dict], base: list[dict], st
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     setup(args.threads, args.seed)
+    monitor = RunMonitor()
     tokenizer = Tokenizer.from_dir(args.model)
     model, revision = load_model(args.model, dtype=torch.float32), model_revision(args.model)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=args.ignore_eos)
@@ -157,6 +160,7 @@ def main(argv: list[str] | None = None) -> None:
     print_header(
         "MTP speculative decoding",
         " ".join(["python", f"bench/{Path(__file__).name}", *(sys.argv[1:] if argv is None else argv)]),
+        monitor,
     )
     print(
         f"- model: `{args.model}` (float32); greedy, up to {args.max_tokens} tokens per request"
@@ -174,6 +178,7 @@ def main(argv: list[str] | None = None) -> None:
                 "tokens",
                 "tok/s",
                 "x off",
+                "x off range",
                 "decode tok/s",
                 "decode x off",
                 "mean accept len",

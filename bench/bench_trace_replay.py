@@ -44,6 +44,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench.common import RunMonitor, markdown_table, print_header  # noqa: E402
+from bench.trace_variants import VARIANTS, TraceRow  # noqa: E402
 from glmserve.core.block_hash import CacheKeyRoot, block_hashes, reusable_blocks  # noqa: E402
 from glmserve.core.generation import SamplingParams  # noqa: E402
 from glmserve.engine.kv_cache_manager import KVCacheManager  # noqa: E402
@@ -74,6 +75,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--utilization", type=float, default=0.8,
                    help="sets --rate: two workers this busy without any cache")
     p.add_argument("--rate", type=float, default=None, help="prefill tokens per simulated second per worker")
+    p.add_argument("--variants", action="store_true",
+                   help="also least-loaded vs cache-aware on every trace variant (bench/trace_variants.py)")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
@@ -87,7 +90,19 @@ class TraceRequest:
     prompt: list[int]
 
 
-def load_trace(path: Path, n: int, tokens_per_id: int, seed: int) -> list[TraceRequest]:
+def read_rows(path: Path, n: int) -> list[TraceRow]:
+    rows = []
+    with path.open() as f:
+        for line in f:
+            if len(rows) >= n:
+                break
+            row = json.loads(line)
+            rows.append(TraceRow(row["timestamp"], row["input_length"], tuple(row["hash_ids"])))
+    return rows
+
+
+def load_trace(path: Path | list[TraceRow], n: int, tokens_per_id: int, seed: int) -> list[TraceRequest]:
+    """The first `n` requests of the trace file (or of already read rows), as token prompts."""
     blocks: dict[int, list[int]] = {}
 
     def block(hid: int) -> list[int]:
@@ -97,18 +112,14 @@ def load_trace(path: Path, n: int, tokens_per_id: int, seed: int) -> list[TraceR
         return blocks[hid]
 
     out = []
-    with path.open() as f:
-        for line in f:
-            if len(out) >= n:
-                break
-            row = json.loads(line)
-            ids = row["hash_ids"]
-            tail = row["input_length"] - TRACE_BLOCK * (len(ids) - 1)  # tokens in the last trace block
-            prompt: list[int] = []
-            for i, hid in enumerate(ids):
-                take = tokens_per_id if i < len(ids) - 1 else max(1, math.ceil(tail * tokens_per_id / TRACE_BLOCK))
-                prompt += block(hid)[:take]
-            out.append(TraceRequest(row["timestamp"] / 1000.0, prompt))
+    for row in (read_rows(path, n) if isinstance(path, Path) else path[:n]):
+        ids = row.hash_ids
+        tail = row.input_length - TRACE_BLOCK * (len(ids) - 1)  # tokens in the last trace block
+        prompt: list[int] = []
+        for i, hid in enumerate(ids):
+            take = tokens_per_id if i < len(ids) - 1 else max(1, math.ceil(tail * tokens_per_id / TRACE_BLOCK))
+            prompt += block(hid)[:take]
+        out.append(TraceRequest(row.timestamp_ms / 1000.0, prompt))
     return out
 
 
@@ -222,13 +233,37 @@ def p90(xs: list[float]) -> float:
     return statistics.quantiles(xs, n=10)[-1]
 
 
+def modelled_rate(trace: list[TraceRequest], workers: int, utilization: float) -> float:
+    """Prefill tokens per second per worker that keeps `workers` this busy without any cache."""
+    span = max(trace[-1].arrival_s - trace[0].arrival_s, 1.0)
+    return sum(len(r.prompt) for r in trace) / span / (workers * utilization)
+
+
+def variant_rows(args) -> list[list]:
+    """least-loaded vs cache-aware on each trace variant, at each cache size; ratios ca / ll."""
+    base = read_rows(args.trace, args.requests)
+    rows = []
+    for name, (rewrite, workers) in VARIANTS.items():
+        variant = rewrite(base, args.seed)
+        trace = load_trace(variant, len(variant), args.tokens_per_id, args.seed)
+        rate = modelled_rate(trace, workers, args.utilization)
+        for blocks in args.cache_blocks:
+            ll, ca = (replay(trace, workers, blocks, args.block_size, rate, p) for p in ("least-loaded", "cache-aware"))
+            mean = statistics.mean(ca.ttfts) / statistics.mean(ll.ttfts)
+            tail = p90(ca.ttfts) / p90(ll.ttfts)
+            rows.append([name, len(trace), workers, blocks, f"{ll.ratio:.1%}", f"{ca.ratio:.1%}",
+                         statistics.mean(ll.ttfts), statistics.mean(ca.ttfts), f"{mean:.2f}",
+                         p90(ll.ttfts), p90(ca.ttfts), f"{tail:.2f}",
+                         "yes" if mean < 1 and tail < 1 and ca.ratio >= ll.ratio else "no"])
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     monitor = RunMonitor()
     trace = load_trace(args.trace, args.requests, args.tokens_per_id, args.seed)
     total = sum(len(r.prompt) for r in trace)
-    span = max(trace[-1].arrival_s - trace[0].arrival_s, 1.0)
-    rate = args.rate or total / span / (2 * args.utilization)
+    rate = args.rate or modelled_rate(trace, 2, args.utilization)
     # The ideal: one cache that never evicts and sees every request (compute rate irrelevant).
     unbounded = sum(-(-len(r.prompt) // args.block_size) for r in trace)
     ideal = replay(trace, 1, unbounded, args.block_size, rate, "round-robin").ratio
@@ -251,6 +286,12 @@ def main(argv: list[str] | None = None) -> None:
     print(f"- run: {monitor.summary()}\n")
     print(markdown_table(["cache blocks / worker", "routing", "hit ratio", "of ideal", "TTFT mean (s)",
                           "TTFT p90 (s)", "decisions"], rows))
+    if args.variants:
+        print("\nTrace variants: least-loaded (ll) vs cache-aware (ca), modelled rate set per variant for "
+              f"{args.utilization:.0%} busy workers without cache; ca/ll < 1 is cache-aware faster\n")
+        print(markdown_table(["variant", "requests", "workers", "cache blocks / worker", "hit ll", "hit ca",
+                              "TTFT mean ll (s)", "TTFT mean ca (s)", "mean ca/ll", "TTFT p90 ll (s)",
+                              "TTFT p90 ca (s)", "p90 ca/ll", "ca wins"], variant_rows(args)))
 
 
 if __name__ == "__main__":

@@ -22,6 +22,9 @@ FORBIDDEN = {
     "services/router": {"engine", "model"},
 }
 NO_TORCH = ("core", "text", "services/router")
+SERVICES = ("router", "decode", "prefill", "kvstore")
+# A service may use another's client (it talks to it through proto/), nothing else of it.
+CLIENTS = ("glmserve.services.kvstore.client",)
 
 
 def _imports(path: Path) -> list[str]:
@@ -50,6 +53,28 @@ def _violations(package: str, banned: set[str], torch: bool) -> list[str]:
 @pytest.mark.parametrize("package", sorted(FORBIDDEN))
 def test_imports_point_one_way(package):
     assert _violations(package, FORBIDDEN[package], package in NO_TORCH) == []
+
+
+@pytest.mark.parametrize("service", SERVICES)
+def test_services_do_not_import_each_other(service):
+    others = [f"glmserve.services.{o}" for o in SERVICES if o != service]
+    found = [
+        f"{path.relative_to(ROOT)} imports {module}"
+        for path in sorted((PACKAGE / "services" / service).rglob("*.py"))
+        for module in _imports(path)
+        if any(module == o or module.startswith(o + ".") for o in others) and module not in CLIENTS
+    ]
+    assert found == []
+
+
+def test_only_the_kvstore_talks_to_redis():
+    found = [
+        f"{path.relative_to(ROOT)} imports {module}"
+        for path in sorted(PACKAGE.rglob("*.py")) if "proto_gen" not in path.parts
+        for module in _imports(path)
+        if module.split(".")[0] == "redis" and "kvstore" not in path.parts
+    ]
+    assert found == []
 
 
 def test_the_checker_sees_lazy_imports(tmp_path):

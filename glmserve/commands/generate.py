@@ -7,11 +7,8 @@ import json
 import sys
 import time
 
-import torch
-
 from glmserve.core.generation import SamplingParams
 from glmserve.engine.engine import Engine
-from glmserve.text.detokenizer import IncrementalDetokenizer
 from glmserve.text.tokenizer import Tokenizer
 
 
@@ -35,8 +32,7 @@ def run_generate(args: argparse.Namespace) -> int:
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed
     )
-    engine = Engine.from_model_dir(args.model, dtype=getattr(torch, args.dtype), mtp=mtp_setting(args.mtp))
-    detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=True)
+    engine = Engine.from_model_dir(args.model, dtype=args.dtype, mtp=mtp_setting(args.mtp))
     start = time.perf_counter()
     first = None
     req = engine.add_request("cli", prompt, params)
@@ -45,14 +41,14 @@ def run_generate(args: argparse.Namespace) -> int:
             if out.token_ids and first is None:
                 first = time.perf_counter() - start
             if not args.json:
-                sys.stdout.write(detok.push(out.token_ids))
+                sys.stdout.write(out.text)
                 sys.stdout.flush()
     total = time.perf_counter() - start
     if args.json:
         result = {
             "prompt_token_ids": prompt,
             "token_ids": req.output_ids,
-            "text": tokenizer.decode(req.output_ids, skip_special_tokens=True),
+            "text": req.output_text.text,
             "finish_reason": req.finish_reason,
             "timings": {"ttft_s": first, "total_s": total, "tokens_per_s": len(req.output_ids) / total},
             "mtp": {"draft_tokens": engine.stats.draft_tokens, "accepted_tokens": engine.stats.accepted_tokens,
@@ -60,5 +56,5 @@ def run_generate(args: argparse.Namespace) -> int:
         }
         print(json.dumps(result))
     else:
-        sys.stdout.write(detok.finish() + "\n")
+        sys.stdout.write("\n")
     return 0

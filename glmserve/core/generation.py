@@ -24,6 +24,7 @@ from typing import Any, Literal
 GREEDY_TEMPERATURE = 1e-5
 MAX_STOP_STRINGS = 16
 MAX_LOGPROBS = 20
+MAX_VISIBLE_SPECIAL_TOKENS = 64
 # The range torch.Generator.manual_seed accepts.
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
 
@@ -49,7 +50,11 @@ class SamplingParams:
     - ``stop``: up to 16 non-empty stop strings; output is cut before the first one (a single
       string is accepted and wrapped).
     - ``ignore_eos``: keep generating past the model's eos token(s).
-    - ``logprobs``: number of top logprobs to return per token (0..20); None = none.
+    - ``logprobs``: None = no logprobs; 0..20 = each token's logprob and that many most likely
+      alternatives (``TokenEvent.top_logprobs``).
+    - ``visible_special_tokens``: special tokens (by their text, e.g. ``"<tool_call>"``) that stay in
+      the output text; every other special token is hidden. The router keeps the tool-call markup
+      visible when a request has tools, so its parser sees the calls.
 
     Sequences (lists) are stored as tuples so the object stays hashable.
     """
@@ -63,12 +68,13 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    visible_special_tokens: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         # Normalise list inputs to tuples before validating (frozen: bypass __setattr__).
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
-        for name in ("stop", "stop_token_ids"):
+        for name in ("stop", "stop_token_ids", "visible_special_tokens"):
             value = getattr(self, name)
             if isinstance(value, list):
                 object.__setattr__(self, name, tuple(value))
@@ -102,6 +108,11 @@ class SamplingParams:
             not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
         ):
             raise ValueError(f"logprobs: must be None or an int in 0..{MAX_LOGPROBS}, got {self.logprobs!r}")
+        visible = self.visible_special_tokens
+        if not isinstance(visible, tuple) or not all(isinstance(t, str) and t for t in visible):
+            raise ValueError(f"visible_special_tokens: must be a sequence of non-empty strings, got {visible!r}")
+        if len(visible) > MAX_VISIBLE_SPECIAL_TOKENS:
+            raise ValueError(f"visible_special_tokens: at most {MAX_VISIBLE_SPECIAL_TOKENS}, got {len(visible)}")
 
     @property
     def is_greedy(self) -> bool:
@@ -111,6 +122,21 @@ class SamplingParams:
     @property
     def top_k_enabled(self) -> bool:
         return self.top_k >= 1
+
+
+def check_prompt(prompt_ids: list[int], params: SamplingParams, vocab_size: int, max_positions: int) -> None:
+    """Raise ``ValueError("prompt_ids: ...")`` unless the prompt can run: at least one token, every
+    id in the vocabulary, and prompt plus ``max_tokens`` within the model's positions. The one check
+    every entry point (engine, decode worker) runs; the router answers the same cases earlier with
+    its OpenAI errors."""
+    if not prompt_ids:
+        raise ValueError("prompt_ids: a prompt needs at least one token")
+    bad = [t for t in prompt_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"prompt_ids: token ids out of range [0, {vocab_size}): {bad[:5]}")
+    if len(prompt_ids) + params.max_tokens > max_positions:
+        raise ValueError(f"prompt_ids: {len(prompt_ids)} tokens plus max_tokens {params.max_tokens} "
+                         f"exceed the model's {max_positions} positions")
 
 
 FinishReason = Literal["stop", "length", "abort", "error"]

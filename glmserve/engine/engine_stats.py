@@ -29,3 +29,27 @@ class EngineStats:
     @property
     def draft_acceptance_rate(self) -> float:
         return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """How busy the engine is right now (``Engine.load()``; read on the engine's thread)."""
+
+    running: int  # requests in the batch
+    waiting: int  # requests queued for a slot or blocks
+    held: int  # prefill-only requests finished, blocks kept for their transfer
+    reserved: int  # reservations waiting for KV another worker writes
+    free_blocks: int  # free or only prefix-cached
+    used_blocks: int  # with an owner
+    total_blocks: int
+    evictions: int = 0  # cached blocks evicted so far (a counter)
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    """What requests must fit (``Engine.limits()``)."""
+
+    vocab_size: int
+    max_positions: int  # prompt + max_tokens at most
+    block_size: int
+    hidden_size: int  # of the MTP seed a prefill hands over

@@ -17,7 +17,7 @@ from glmserve.model.kv_layout import LAYOUT_VERSION
 if TYPE_CHECKING:
     import torch
 
-    from glmserve.engine.engine import EngineConfig
+    from glmserve.engine.engine_config import EngineConfig
 
 
 def prefix_cache_root(dtype: torch.dtype, config: EngineConfig, revision: str = "",

@@ -10,7 +10,7 @@ import torch
 
 from glmserve.core.generation import SamplingParams
 from glmserve.core.stop_checker import StopChecker
-from glmserve.text.detokenizer import IncrementalDetokenizer
+from glmserve.text.output_text import OutputText
 
 
 class RequestStatus(enum.Enum):
@@ -22,6 +22,9 @@ class RequestStatus(enum.Enum):
 @dataclass(eq=False)
 class Request:
     """Token bookkeeping, in positions of the sequence prompt + output.
+
+    - `token_ids`: prompt + output as one list, grown in place by `append_output` (never rebuilt:
+      a step's bookkeeping costs the same for a 100-token and a 100K-token prompt).
 
     - `num_computed`: tokens whose main-model KV is in the request's blocks (positions 0..n-1).
     - In decode, the last token of `token_ids` is pending: sampled, not yet run through the model.
@@ -38,6 +41,7 @@ class Request:
     arrival: float = field(default_factory=time.monotonic)
     status: RequestStatus = RequestStatus.WAITING
     output_ids: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(init=False, repr=False)  # prompt + output (see the class docstring)
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # of the leading full blocks, in order
     num_computed: int = 0
@@ -57,23 +61,22 @@ class Request:
     hold_blocks: bool = False  # prefill-only: keep the blocks after finishing, until released
     last_hidden: torch.Tensor | None = None  # normed hidden state of the last prompt token (MTP seed)
     stop_checker: StopChecker | None = None
-    detokenizer: IncrementalDetokenizer | None = None  # set when the engine produces text
-    text: str = ""  # visible text so far (stop strings cut it)
-    num_streamed_chars: int = 0
+    output_text: OutputText | None = None  # set when the engine has a tokenizer
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
             raise ValueError("prompt_ids: a request needs at least one prompt token")
+        self.token_ids = list(self.prompt_ids) + self.output_ids
         if self.params.seed is not None:
             self.generator = torch.Generator().manual_seed(self.params.seed)
 
-    @property
-    def token_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
+    def append_output(self, token_ids: list[int]) -> None:
+        self.output_ids.extend(token_ids)
+        self.token_ids.extend(token_ids)
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+        return len(self.token_ids)
 
     @property
     def in_prefill(self) -> bool:

@@ -15,7 +15,7 @@ A job's life, on every stage alike (the first stage decides the chunks and tells
    when this stage starts on a `shared` layer, the top-k it carries) in, this stage's out. After the
    chunks `kv_writes` names, the blocks it lists are complete here and go to the decode worker.
    The last stage also stores the MTP layer's KV and, on the last chunk, samples the first token
-   (`PrefillHandoff`).
+   (a `PrefillOutput`).
 4. ``release`` once every write of the job's blocks is final: full blocks stay in the prefix cache.
 
 Chunks are computed exactly as the whole-model `Engine` computes one request alone (same spans,
@@ -31,14 +31,16 @@ from pathlib import Path
 
 import torch
 
-from glmserve.core.generation import SamplingParams
-from glmserve.engine.engine import EngineConfig
+from glmserve.core.generation import SamplingParams, check_prompt
+from glmserve.engine.engine_config import EngineConfig
+from glmserve.engine.engine_stats import EngineLimits, EngineLoad, EngineStats
+from glmserve.engine.handoff import PrefillOutput
 from glmserve.engine.host_offload import HostOffload, HostWrite
 from glmserve.engine.kv_cache_manager import KVCacheManager, prefix_cache_root
 from glmserve.engine.model_runner import ModelRunner
 from glmserve.engine.request import Request
 from glmserve.engine.sampler import Sampler
-from glmserve.kv.block_pool import BlockPool, OutOfBlocks
+from glmserve.kv.block_pool import BlockListener, BlockPool, OutOfBlocks
 from glmserve.model.forward_batch import ForwardBatch
 from glmserve.model.glm_model import GlmForCausalLM
 from glmserve.model.kv_layout import KVLayout
@@ -72,19 +74,22 @@ def kv_writes(num_cached: int, prompt_len: int, chunk_tokens: int, block_size: i
 
 
 @dataclass(frozen=True)
-class PrefillHandoff:
-    """What the last stage hands the decode worker besides the KV (as a one-process prefill does)."""
-
-    first_token: int
-    first_logprob: float | None
-    mtp_hidden: bytes  # float32 [hidden_size]: normed hidden state of the last prompt position
-
-
-@dataclass(frozen=True)
 class ChunkOutput:
     hidden: torch.Tensor  # [num_tokens, hidden] this stage's output (before the final norm)
     topk: torch.Tensor  # [num_tokens, k] int64: the top-k the stage's last layer used
-    handoff: PrefillHandoff | None = None  # last stage, last chunk
+    handoff: PrefillOutput | None = None  # last stage, last chunk (num_cached_tokens: this stage's)
+
+
+@dataclass(frozen=True)
+class StageGeometry:
+    """What the stage's services size their buffers and windows by."""
+
+    hidden_size: int
+    dtype: torch.dtype
+    index_topk: int
+    block_offset: int  # where this stage's rows sit in a whole-model block (bytes)
+    block_bytes: int  # this stage's bytes of a block
+    whole_block_bytes: int  # a whole-model block (the decode worker's, the host tier's)
 
 
 @dataclass(eq=False)
@@ -111,12 +116,13 @@ class StageEngine:
             raise ValueError(f"kv_cache_bytes: {config.kv_cache_bytes} B holds fewer than 2 blocks")
         self.cache = PagedKVCache(self.layout, num_blocks + config.host_staging_blocks)
         self.pool = BlockPool(num_blocks, on_evict=self._evicted)
-        self.host: HostOffload | None = None
+        self.host_tier: HostOffload | None = None  # the CPU KV tier's engine side, once attached
         root = prefix_cache_root(model.dtype, config, revision, tokenizer_digest) if config.prefix_caching else None
         self.kv = KVCacheManager(self.pool, config.block_size, root)
         self.runner = ModelRunner(model, self.cache)
         self.sampler = Sampler()
         self.jobs: dict[str, _Job] = {}
+        self.stats = EngineStats()
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, layers: range, dtype: torch.dtype = torch.float32,
@@ -127,24 +133,53 @@ class StageEngine:
         return cls(model, EngineConfig(**config), revision=model_revision(model_dir, revision),
                    tokenizer_digest=tokenizer_digest(model_dir))
 
+    # --- what an `EngineHost` and the services read: the same public surface as `Engine` ---------
+
     def has_unfinished(self) -> bool:
-        """No step loop: the stage computes on commands (an `EngineThread` then just serves them)."""
+        """No step loop: the stage computes on commands (an `EngineHost` then just serves them)."""
         return False
 
-    def attach_host(self, write_through: bool, notify: Callable[[HostWrite], None],
-                    on_drop: Callable[[], None] | None = None) -> HostOffload:
-        """The host tier's engine side, as `Engine.attach_host`: this stage's rows (its slice of
-        each block) are written through, demoted and loaded back."""
+    def load(self) -> EngineLoad:
+        pool = self.pool
+        return EngineLoad(running=len(self.jobs), waiting=0, held=0, reserved=0, free_blocks=pool.num_free,
+                          used_blocks=pool.num_used, total_blocks=pool.num_blocks, evictions=pool.num_evictions)
+
+    def limits(self) -> EngineLimits:
+        c = self.model.config
+        return EngineLimits(c.vocab_size, c.max_position_embeddings, self.config.block_size, c.hidden_size)
+
+    def geometry(self) -> StageGeometry:
+        c = self.model.config
+        return StageGeometry(c.hidden_size, self.model.dtype, c.index_topk, self.block_offset,
+                             self.layout.bytes_per_block, self.whole_block_bytes)
+
+    @property
+    def kv_buffer(self) -> torch.Tensor:
+        """This stage's rows of the KV blocks (its layers' slice; staging rows included)."""
+        return self.cache.buffer
+
+    def add_block_listener(self, listener: BlockListener) -> None:
+        self.pool.add_listener(listener)
+
+    @property
+    def cache_root(self) -> bytes:
+        """The whole model's prefix-cache root: block hashes are the same in every stage."""
+        return self.kv.root_hash or b""
+
+    def attach_host_tier(self, write_through: bool, notify: Callable[[HostWrite], None],
+                         on_drop: Callable[[], None] | None = None) -> HostOffload:
+        """The host tier's engine side, as `Engine.attach_host_tier`: this stage's rows (its slice
+        of each block) are written through, demoted and loaded back."""
         if self.kv.root_hash is None:
             raise ValueError("prefix_caching: the host tier needs prefix caching on")
-        self.host = HostOffload(self.pool, self.cache.buffer, self.config.host_staging_blocks,
-                                write_through=write_through, notify=notify, on_drop=on_drop)
-        self.kv.on_free = self.host.on_free
-        return self.host
+        self.host_tier = HostOffload(self.pool, self.cache.buffer, self.config.host_staging_blocks,
+                                     write_through=write_through, notify=notify, on_drop=on_drop)
+        self.kv.on_free = self.host_tier.on_free
+        return self.host_tier
 
     def _evicted(self, block_id: int, block_hash: bytes) -> None:
-        if self.host is not None:
-            self.host.on_evict(block_id, block_hash)
+        if self.host_tier is not None:
+            self.host_tier.on_evict(block_id, block_hash)
 
     # --- a job's life -----------------------------------------------------------------------------
 
@@ -153,11 +188,7 @@ class StageEngine:
         if key in self.jobs:
             raise ValueError(f"request_id: {key!r} is already running")
         c = self.model.config
-        if len(prompt_ids) + params.max_tokens > c.max_position_embeddings:
-            raise ValueError("prompt_ids: prompt plus max_tokens exceeds max_position_embeddings")
-        bad = [t for t in prompt_ids if not 0 <= t < c.vocab_size]
-        if bad:
-            raise ValueError(f"prompt_ids: token ids out of range: {bad[:5]}")
+        check_prompt(prompt_ids, params, c.vocab_size, c.max_position_embeddings)
         req = Request(key, list(prompt_ids), params, hold_blocks=True, cache_salt=cache_salt or None)
         self.kv.match_prefix(req)
         self.jobs[key] = _Job(req)
@@ -205,7 +236,7 @@ class StageEngine:
             self.pool.check_integrity()
         return ChunkOutput(out, topks[0], handoff)
 
-    def _finish_chunk(self, req: Request, start: int, hidden: torch.Tensor) -> PrefillHandoff | None:
+    def _finish_chunk(self, req: Request, start: int, hidden: torch.Tensor) -> PrefillOutput | None:
         """Last stage: the first token after the last chunk, and the MTP layer's KV of the chunk's
         positions (each from its normed hidden state and the token after it), as `Engine` does."""
         normed = self.model.final_norm(hidden)
@@ -214,10 +245,16 @@ class StageEngine:
             logits = self.model.logits(normed[-1:]).float()
             sample = self.sampler.sample(logits, [req.params], [req.generator])
             token = int(sample.token_ids[0])
-            req.output_ids.append(token)
-            logprob = float(torch.log_softmax(logits, dim=-1)[0, token]) if req.params.logprobs is not None else None
-            mtp_hidden = normed[-1].detach().float().contiguous().numpy().tobytes()
-            handoff = PrefillHandoff(token, logprob, mtp_hidden)
+            req.append_output([token])
+            asked = req.params.logprobs is not None
+            handoff = PrefillOutput(
+                first_token=token,
+                mtp_hidden=normed[-1].detach().float().contiguous().numpy().tobytes(),
+                first_logprob=float(sample.logprobs[0]) if asked else None,
+                first_top_logprobs=sample.top_logprobs[0] or [],
+                num_cached_tokens=req.num_cached_prompt,
+            )
+            self.stats.prompt_tokens += len(req.prompt_ids)
         if self.use_mtp:
             tokens = req.token_ids[start + 1 : req.num_computed + 1]
             self.runner.store_mtp_kv([req], [start], [normed], [tokens])

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 from glmserve.kv.block_pool import IntegrityError
 from glmserve.kv.transfer.stamp import TransferStamp
+from glmserve.kv.transfer.timeouts import AGREED
 
 
 def write_stamp(lease_id: int) -> TransferStamp:
@@ -87,7 +88,7 @@ class Expired:
 class HostBlockPool:
     """See the module docstring. ``lease_timeout_s``: how long a lease may live."""
 
-    def __init__(self, num_blocks: int, lease_timeout_s: float = 120.0) -> None:
+    def __init__(self, num_blocks: int, lease_timeout_s: float = AGREED.lease_s) -> None:
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 0:
             raise ValueError(f"num_blocks: must be an int >= 0, got {num_blocks!r}")
         if lease_timeout_s <= 0:

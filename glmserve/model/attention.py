@@ -1,10 +1,13 @@
 """Multi-head latent attention (MLA) over the paged latent cache, restricted to the DSA top-k.
 
-The cache keeps, per token, the normalised latent (kv_lora_rank) and the rotated rope key. Two
+The cache keeps, per token, the normalised latent (kv_lora_rank) and the rotated rope key. The
 kernels compute the same function:
-- expanded: kv_b_proj turns the context latents into per-head keys and values (cheap for long queries);
 - absorbed: kv_b_proj is folded into the query and output, so attention reads latents directly and
-  never materialises per-token K/V for the whole context (decode).
+  never materialises per-token K/V for the whole context: short queries of many sequences batched
+  (DecodeGroup), and prefill over the selected rows only (prefill_attention);
+- expanded: kv_b_proj turns the context latents into per-head keys and values: dense prefill while
+  the context is within index_topk, and the reference kernels that training and benchmarks ask for
+  (`dense_attention`, `collect_indexer`, `force_absorbed`), which mask dense S x T scores.
 """
 
 from __future__ import annotations
@@ -21,10 +24,15 @@ from glmserve.model.fused_linear import FusedLinear
 from glmserve.model.indexer import Indexer, causal_mask
 from glmserve.model.norms import RMSNorm
 from glmserve.model.paged_cache import PagedKVCache
+from glmserve.model.prefill_attention import dense_attention, flat_rows, paged_rows, sparse_latent_attention
 from glmserve.model.rope import apply_rope
 
 # Queries per sequence up to which the absorbed kernel is used by default (decode and MTP verify).
 ABSORBED_MAX_QUERIES = 16
+# Prefill over a context up to this many times the selection runs dense (SDPA, masked to the
+# selection): gathering k rows per query costs more than attending to all T keys while T is short
+# (512-token prompts of the bundled model: 5.6x the TTFT of dense in bench_vllm_peer).
+DENSE_MAX_CONTEXT = 4
 
 
 class MLAttention(nn.Module):
@@ -119,7 +127,38 @@ class MLAttention(nn.Module):
         return ctx.decode_groups(ABSORBED_MAX_QUERIES)
 
     def _attend_sequence(self, ctx, seq, q_nope, q_rot, new_kv, index, topk_in):
-        """One sequence's attention output [S, heads * v_dim] and top-k (the general path)."""
+        """One sequence's attention output [S, heads * v_dim] and top-k."""
+        if ctx.collect_indexer or ctx.dense_attention or ctx.force_absorbed is not None:
+            return self._attend_reference(ctx, seq, q_nope, q_rot, new_kv, index, topk_in)
+        positions = ctx.batch.positions[seq.start : seq.end]
+        if topk_in is not None:
+            topk = topk_in
+        else:
+            iq, iw, new_keys = index
+            keys = self._context(ctx, seq, new_keys, self.layer_idx, "index")
+            topk = self.indexer.select_tiled(iq, iw, keys, positions)
+        w = self.kv_b_proj.weight.view(self.heads, self.nope_dim + self.v_dim, self.latent_dim)
+        k_sel = topk.shape[-1]
+        if seq.context_len <= DENSE_MAX_CONTEXT * k_sel:  # short context: dense, masked to the selection
+            kv = self._context(ctx, seq, new_kv, self.layer_idx, "latent")
+            t = kv.shape[0]
+            latent, k_rot = kv.to(q_nope.dtype).split([self.latent_dim, self.rope_dim], dim=-1)
+            k_nope, v = self.kv_b_proj(latent).view(t, self.heads, -1).split([self.nope_dim, self.v_dim], dim=-1)
+            k = torch.cat([k_nope, k_rot.unsqueeze(1).expand(t, self.heads, self.rope_dim)], dim=-1)
+            q = torch.cat([q_nope, q_rot], dim=-1)
+            chosen = None if k_sel >= t else torch.zeros(q.shape[0], t, dtype=torch.bool).scatter_(1, topk, True)
+            return dense_attention(q, k, v, positions, self.scaling, chosen).reshape(q.shape[0], -1), topk
+        if ctx.cache is None:
+            rows_of = flat_rows(new_kv[seq.start : seq.end])
+        else:
+            rows_of = paged_rows(ctx.cache.latent_view(self.layer_idx), seq.block_table)
+        q_lat = torch.einsum("shd,hdc->shc", q_nope, w[:, : self.nope_dim])
+        query = torch.cat([q_lat, q_rot], dim=-1).mul_(self.scaling)
+        lat_out = sparse_latent_attention(query, rows_of, topk, positions, self.latent_dim)
+        return torch.einsum("shc,hvc->shv", lat_out, w[:, self.nope_dim :]).reshape(q_nope.shape[0], -1), topk
+
+    def _attend_reference(self, ctx, seq, q_nope, q_rot, new_kv, index, topk_in):
+        """The kernels that mask dense S x T scores (training, kernel comparisons)."""
         positions = ctx.batch.positions[seq.start : seq.end]
         kv = self._context(ctx, seq, new_kv, self.layer_idx, "latent")
         index_scores = None

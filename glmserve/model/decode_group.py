@@ -12,7 +12,6 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
-from torch.nn.utils.rnn import pad_sequence
 
 from glmserve.model.forward_batch import ForwardBatch
 
@@ -22,7 +21,7 @@ class DecodeGroup:
     seq_ids: list[int]  # indices into ForwardBatch.seqs
     token_idx: torch.Tensor  # [B * S] rows of the flat batch, sequence by sequence
     positions: torch.Tensor  # [B, S] position of each query
-    block_tables: torch.Tensor  # [B, W] block ids, padded with block 0
+    block_tables: torch.Tensor  # [B, W] block ids; entries past a sequence's own blocks are never attended
     context_lens: list[int]  # per sequence: cached + new tokens
     # token_idx as a slice when the group's tokens are one run of the flat batch (a decode-only step):
     # indexing with it makes views instead of copies.
@@ -51,8 +50,11 @@ def decode_groups(batch: ForwardBatch, max_queries: int, block_size: int) -> lis
 
 def _group(batch: ForwardBatch, seq_ids: list[int], block_size: int) -> DecodeGroup:
     seqs = [batch.seqs[i] for i in seq_ids]
-    # One padding op instead of one copy per sequence: this runs once per pass but for every sequence.
-    tables = pad_sequence([s.block_table[: (s.context_len + block_size - 1) // block_size] for s in seqs], True)
+    # Rows of the batch's padded tables, as wide as the longest context needs (a view when the
+    # group is the whole batch); past a sequence's context every key is later than its queries.
+    width = max((s.context_len + block_size - 1) // block_size for s in seqs)
+    rows = batch.block_tables if len(seqs) == len(batch.seqs) else batch.block_tables[seq_ids]
+    tables = rows[:, :width]
     one_run = all(a.end == b.start for a, b in zip(seqs, seqs[1:], strict=False))
     if one_run:
         token_rows: slice | torch.Tensor = slice(seqs[0].start, seqs[-1].end)

@@ -9,6 +9,10 @@ from torch import nn
 from glmserve.model.config import GlmConfig
 from glmserve.model.mlp import GatedMLP, silu_mul
 
+# Rows per expert up to which all experts run as one padded batched matmul (when every expert has
+# rows); beyond, or with idle experts, each expert runs alone (padding would cost more than the ops).
+BATCHED_MAX_ROWS = 64
+
 
 class TopkRouter(nn.Module):
     """Chooses `num_experts_per_tok` experts per token.
@@ -60,20 +64,38 @@ class RoutedExperts(nn.Module):
         flat_experts = expert_ids.reshape(-1)
         order = flat_experts.argsort(stable=True)
         token_of = order // k
-        counts = torch.bincount(flat_experts, minlength=self.gate_up_proj.shape[0]).tolist()
-        # Token rows are gathered, weighted and scattered back once for all experts; the loop only runs
-        # each expert's two matmuls (on small batches per-op overhead is much of the MoE's time).
+        counts = torch.bincount(flat_experts, minlength=self.gate_up_proj.shape[0])
+        # Token rows are gathered, weighted and scattered back once for all experts.
         xs = x.index_select(0, token_of)
-        ys = []
-        start = 0
-        for expert, count in enumerate(counts):
+        sizes = counts.tolist()
+        if min(sizes) > 0 and max(sizes) <= BATCHED_MAX_ROWS:
+            ys = self._batched(xs, counts, max(sizes), flat_experts[order])
+        else:
+            ys = self._per_expert(xs, sizes)
+        y = (ys * weights.reshape(-1)[order].unsqueeze(1)).to(x.dtype)  # weights are fp32
+        return torch.zeros_like(x).index_add_(0, token_of, y)
+
+    def _per_expert(self, xs: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+        """Rows sorted by expert, each expert's two matmuls on its own rows."""
+        ys, start = [], 0
+        for expert, count in enumerate(sizes):
             if count == 0:
                 continue
             gate, up = F.linear(xs[start : start + count], self.gate_up_proj[expert]).chunk(2, dim=-1)
             ys.append(F.linear(silu_mul(gate, up), self.down_proj[expert]))
             start += count
-        y = (torch.cat(ys) * weights.reshape(-1)[order].unsqueeze(1)).to(x.dtype)  # weights are fp32
-        return torch.zeros_like(x).index_add_(0, token_of, y)
+        return torch.cat(ys)
+
+    def _batched(self, xs: torch.Tensor, counts: torch.Tensor, width: int, sorted_experts: torch.Tensor):
+        """The same with every expert in one batched matmul, each padded to `width` rows: on decode
+        batches (every expert busy, few rows each) ~10 ops instead of ~6 per expert."""
+        e, h = self.gate_up_proj.shape[0], xs.shape[1]
+        firsts = counts.cumsum(0) - counts
+        slot = sorted_experts * width + torch.arange(xs.shape[0]) - firsts[sorted_experts]
+        padded = xs.new_zeros(e * width, h).index_copy_(0, slot, xs).view(e, width, h)
+        gate, up = torch.bmm(padded, self.gate_up_proj.transpose(1, 2)).chunk(2, dim=-1)
+        out = torch.bmm(silu_mul(gate, up), self.down_proj.transpose(1, 2))
+        return out.view(e * width, h).index_select(0, slot)
 
 
 class MoE(nn.Module):

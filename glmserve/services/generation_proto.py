@@ -27,6 +27,7 @@ def sampling_to_proto(params: SamplingParams) -> common_pb.Sampling:
         stop_token_ids=list(params.stop_token_ids),
         stop=list(params.stop),
         ignore_eos=params.ignore_eos,
+        visible_special_tokens=list(params.visible_special_tokens),
     )
     if params.seed is not None:
         message.seed = params.seed - 2**64 if params.seed >= 2**63 else params.seed
@@ -47,6 +48,7 @@ def sampling_from_proto(message: common_pb.Sampling) -> SamplingParams:
         stop=tuple(message.stop),
         ignore_eos=message.ignore_eos,
         logprobs=message.logprobs if message.HasField("logprobs") else None,
+        visible_special_tokens=tuple(message.visible_special_tokens),
     )
 
 

@@ -40,7 +40,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
-from glmserve.services.engine_thread import EngineSnapshot
+from glmserve.services.engine_snapshot import EngineSnapshot
 from glmserve.services.metrics_exposition import add_process_metrics
 
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)

@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 import grpc
 from prometheus_client import CollectorRegistry
 
-from glmserve.kv.transfer import KVTransferBackend, make_backend, nixl_unavailable_reason
-from glmserve.services.host_link import HostSettings
+from glmserve.kv.transfer.timeouts import AGREED
+from glmserve.services.host_tier_link import HostTierSettings
 from glmserve.services.kv_events import KVEventPublisher, PublisherCollector
 from glmserve.services.kvstore.client import KVStoreClient
 from glmserve.services.metrics_exposition import MetricsServer, labelled
@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-DEFAULT_TRANSFER_TIMEOUT_S = 50.0  # a write is final within this + the drain timeout (5 s)
+DEFAULT_TRANSFER_TIMEOUT_S = AGREED.write_s  # a write is final within this + the drain timeout
 GRACE_S = 2.0  # how long in-flight RPCs may finish on shutdown
 DEFAULT_STAGING_BLOCKS = 8
 
@@ -62,11 +62,11 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
                    "use its host KV tier (load-back, write-through, demotion)")
     p.add_argument("--revision", default=None,
                    help="model revision for the prefix-cache key (default: a digest of the checkpoint)")
-    p.add_argument("--host-write-through", choices=("on", "off"), default="on",
+    p.add_argument("--host-write-through", choices=("on", "off"), default="on", dest="host_tier_write_through",
                    help="write a finished request's full KV blocks to the host tier")
     p.add_argument("--check-integrity", action="store_true",
                    help="check the KV block pool after every engine step (for tests; costs a pool scan)")
-    p.add_argument("--host-staging-blocks", type=int, default=DEFAULT_STAGING_BLOCKS,
+    p.add_argument("--host-staging-blocks", type=int, default=DEFAULT_STAGING_BLOCKS, dest="host_tier_staging_blocks",
                    help="cache rows kept for demoting evicted blocks to the host tier (0: no demotion)")
 
 
@@ -83,8 +83,8 @@ class WorkerConfig:
     kv_cache_bytes: int | None = None
     kvstore: str | None = None  # host:port: publish block events to its index, use its host tier
     revision: str | None = None  # explicit model revision for the prefix-cache key
-    host_write_through: str = "on"
-    host_staging_blocks: int = DEFAULT_STAGING_BLOCKS
+    host_tier_write_through: str = "on"  # the CPU KV tier's; `host` is the address we bind
+    host_tier_staging_blocks: int = DEFAULT_STAGING_BLOCKS
     check_integrity: bool = False
     served_model_name: str | None = None  # the metrics' model_name (None: the model directory's name)
 
@@ -94,10 +94,10 @@ class WorkerConfig:
         check_kvstore(self.kvstore)
         if not self.worker_id:
             raise ValueError("worker_id: must not be empty")
-        if self.host_write_through not in ("on", "off"):
-            raise ValueError(f"host_write_through: must be 'on' or 'off', got {self.host_write_through!r}")
-        if self.host_staging_blocks < 0:
-            raise ValueError(f"host_staging_blocks: must be >= 0, got {self.host_staging_blocks}")
+        if self.host_tier_write_through not in ("on", "off"):
+            raise ValueError(f"host_tier_write_through: must be 'on' or 'off', got {self.host_tier_write_through!r}")
+        if self.host_tier_staging_blocks < 0:
+            raise ValueError(f"host_tier_staging_blocks: must be >= 0, got {self.host_tier_staging_blocks}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
             raise ValueError(f"kv_cache_bytes: must be > 0, got {self.kv_cache_bytes}")
 
@@ -113,14 +113,14 @@ class WorkerConfig:
         if self.check_integrity:
             options["check_integrity"] = True
         if self.kvstore is not None:
-            options["host_staging_blocks"] = self.host_staging_blocks
+            options["host_staging_blocks"] = self.host_tier_staging_blocks
         return options
 
-    def host_settings(self) -> HostSettings | None:
+    def host_tier_settings(self) -> HostTierSettings | None:
         """How the worker uses the kvstore's host tier (None without ``--kvstore``)."""
         if self.kvstore is None:
             return None
-        return HostSettings(self.kvstore, self.worker_id, write_through=self.host_write_through == "on")
+        return HostTierSettings(self.kvstore, self.worker_id, write_through=self.host_tier_write_through == "on")
 
 
 def check_port(field: str, value: int | None) -> None:
@@ -137,20 +137,6 @@ def check_kvstore(value: str | None) -> None:
         raise ValueError(f"kvstore: expected host:port, got {value!r}")
 
 
-def build_backend(kind: str, host: str, timeout_s: float) -> KVTransferBackend:
-    """The transfer backend ``kind`` asks for (auto: NIXL when it imports); a TCP receiver listens on
-    ``host``. Writes are failed and fenced after ``timeout_s`` (the agreed timeout's writer half)."""
-    if kind == "auto":
-        reason = nixl_unavailable_reason()
-        kind = "nixl" if reason is None else "tcp"
-        if reason is not None:
-            log.info("KV transfer: NIXL unavailable (%s), using TCP", reason)
-    options: dict[str, Any] = {"timeout_s": timeout_s}
-    if kind == "tcp":
-        options["host"] = host
-    return make_backend(kind, **options)
-
-
 def build_engine(model: str, revision: str | None, config: dict[str, Any],
                  publisher: KVEventPublisher | None) -> Engine:
     """The worker's engine (on its engine thread), its pool's events going to ``publisher``."""
@@ -158,13 +144,13 @@ def build_engine(model: str, revision: str | None, config: dict[str, Any],
 
     engine = Engine.from_model_dir(model, revision=revision, **config)
     if publisher is not None:
-        engine.pool.add_listener(publisher)
+        engine.add_block_listener(publisher)
     return engine
 
 
 def start_block_events(kvstore: str | None, worker_id: str) -> KVEventPublisher | None:
     """The publisher of this worker's block events to ``kvstore`` (None: no kvstore), started.
-    Attach it to the engine's pool with ``engine.pool.add_listener``; ``close()`` it on exit."""
+    Attach it with ``engine.add_block_listener``; ``close()`` it on exit."""
     if kvstore is None:
         return None
     publisher = KVEventPublisher(worker_id, KVStoreClient(kvstore, timeout_s=0.5))

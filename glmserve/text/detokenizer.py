@@ -14,18 +14,22 @@ from glmserve.text.tokenizer import Tokenizer
 
 
 class IncrementalDetokenizer:
-    """Feed the growing id list with `update(ids)` (or new ids with `push`); `finish()` at the end."""
+    """Feed the growing id list with `update(ids)` (or new ids with `push`); `finish()` at the end.
+    ``skip_special_tokens`` hides special tokens except those in ``visible_special_ids``."""
 
-    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False):
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False,
+                 visible_special_ids: frozenset[int] = frozenset()):
         self._tokenizer = tokenizer
         self._skip_special = skip_special_tokens
+        self._visible = visible_special_ids
         # errors="replace": bytes that can never form a character become U+FFFD, like decode() does.
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._consumed = 0
         self.text = ""  # everything emitted so far
 
     def push(self, new_ids: Sequence[int]) -> str:
-        data = b"".join(self._tokenizer.token_bytes(i, self._skip_special) for i in new_ids)
+        skip, visible, token_bytes = self._skip_special, self._visible, self._tokenizer.token_bytes
+        data = b"".join(token_bytes(i, skip and i not in visible) for i in new_ids)
         self._consumed += len(new_ids)
         delta = self._utf8.decode(data)
         self.text += delta

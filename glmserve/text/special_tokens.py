@@ -47,6 +47,11 @@ SPECIAL_TOKENS: tuple[str, ...] = (
     ARG_VALUE_END,
 )
 
+# The tool-call markup: special tokens, yet part of the text the tool-call parser reads.
+TOOL_MARKUP: tuple[str, ...] = (
+    TOOL_CALL_START, TOOL_CALL_END, ARG_KEY_START, ARG_KEY_END, ARG_VALUE_START, ARG_VALUE_END,
+)
+
 # Generation stops on any of these. An assistant turn has no end marker of its own: the template
 # follows it with the next role token, so the model learns to emit `<|user|>` (turn over),
 # `<|observation|>` (waiting for tool results) or `<|endoftext|>` (end of a training document).

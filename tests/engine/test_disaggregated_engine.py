@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from engine_fixtures import prompts, random_model
 
 from glmserve.core.generation import SamplingParams
 from glmserve.engine.engine import Engine, EngineConfig
+from glmserve.engine.handoff import PrefillOutput
 from glmserve.model.greedy import greedy_generate
 
 
@@ -21,17 +24,14 @@ def _engine(model, mtp) -> Engine:
 
 def _ship(prefill: Engine, decode: Engine, request_id: str, prompt: list[int], params: SamplingParams):
     """What the services do, minus the network: prefill with held blocks, copy them, continue."""
-    prefill.add_request(request_id, prompt, SamplingParams(max_tokens=1, temperature=0.0), hold_blocks=True)
-    while request_id in prefill.requests:
+    prefill.add_request(request_id, prompt, dataclasses.replace(params, max_tokens=1), hold_blocks=True)
+    while prefill.has_unfinished():
         prefill.step()
-    held = prefill.held[request_id]
+    held = prefill.held_prefill(request_id)
     dest = decode.reserve(request_id, len(prompt) + 1)
-    src = held.block_ids[: len(dest)]
-    decode.cache.buffer[dest] = prefill.cache.buffer[src]  # the transfer (NIXL or TCP in the services)
-    first = held.output_ids[0]
-    hidden = held.last_hidden
+    decode.cache.buffer[dest] = prefill.cache.buffer[held.block_ids[: len(dest)]]  # the transfer
     assert prefill.release(request_id)
-    return decode.add_prefilled(request_id, prompt, params, first, hidden)
+    return decode.add_prefilled(request_id, prompt, params, held.output)
 
 
 @pytest.mark.parametrize("mtp", ["off", 2])
@@ -60,3 +60,31 @@ def test_reservation_released_on_abort(model):
     assert decode.pool.num_used > 0
     assert decode.abort("x")  # abort of a request still waiting for its KV frees the reservation
     assert decode.pool.num_used == 0 and not decode.abort("x")
+
+
+def test_first_token_logprobs_cross_with_the_handoff(model):
+    """The first token's logprob and top logprobs are prefill's; decode's first event carries them."""
+    prefill, decode, alone = _engine(model, 2), _engine(model, 2), _engine(model, 2)
+    prompt = prompts(1, seed=5, min_len=20, max_len=40)[0]
+    params = SamplingParams(max_tokens=4, temperature=0.0, logprobs=3)
+    first = _ship(prefill, decode, "r", prompt, params)
+    events = [first]
+    while decode.has_unfinished():
+        events += decode.step()
+    single = alone.generate([prompt], params)[0]
+    shipped = [t for e in events for t in e.token_ids]
+    assert shipped == single.output_ids
+    logprobs = [lp for e in events for lp in e.logprobs]
+    top = [t for e in events for t in e.top_logprobs]
+    assert logprobs == pytest.approx(single.output_logprobs, abs=1e-5)
+    assert [[i for i, _ in t] for t in top] == [[i for i, _ in t] for t in single.output_top_logprobs]
+    assert len(first.top_logprobs) == 1 and len(first.top_logprobs[0]) == 3
+
+
+def test_prefilled_hidden_of_the_wrong_size_is_refused(model):
+    decode = _engine(model, 2)
+    decode.reserve("r", 10)
+    bad = PrefillOutput(first_token=3, mtp_hidden=b"\0" * 12)
+    with pytest.raises(ValueError, match="^mtp_hidden:"):
+        decode.add_prefilled("r", [1, 2, 3], SamplingParams(max_tokens=2), bad)
+    assert decode.release("r") and decode.pool.num_used == 0  # the reservation stayed until released

@@ -144,7 +144,7 @@ def test_stop_strings_cut_the_text_and_end_the_request(model, oracle):
     while engine.has_unfinished():
         streamed += "".join(o.text for o in engine.step())
     assert req.finish_reason == "stop"
-    assert streamed == req.text == text[: text.index(stop)]
+    assert streamed == req.output_text.text == text[: text.index(stop)]
     _check_pool(engine)
 
 
@@ -173,7 +173,7 @@ def _mtp_rows_after(model, prompt, drafts_at_step, target: int):
     req = engine.add_request("r", prompt, SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True))
     deferred, step = 0, 0
     while req.mtp_synced < target or req.mtp_pending:
-        engine.fixed_drafts = drafts_at_step(step)
+        engine.drafter.fixed_drafts = drafts_at_step(step)
         engine.step()
         deferred = max(deferred, len(req.mtp_pending))
         step += 1

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 from engine_fixtures import CONFIG, prompts, random_model
@@ -16,11 +14,11 @@ from glmserve.model.config import GlmConfig
 from glmserve.model.glm_model import GlmForCausalLM
 from glmserve.model.layer_split import parse_layer_split, plan_layer_split
 from glmserve.model.loader import load_model
+from tests.shared import MODEL_DIR, requires_model
 
-BUNDLED = Path(__file__).resolve().parents[2] / "models" / "glm52-tiny"
 BS, CHUNK = 16, 96
 ENGINE = EngineConfig(block_size=BS, kv_cache_bytes=8 * 2**20, max_step_tokens=CHUNK)
-GREEDY = SamplingParams(max_tokens=1, temperature=0.0)
+GREEDY = SamplingParams(max_tokens=1, temperature=0.0, logprobs=2)  # the first token's logprobs cross too
 
 
 def stage_models(whole: GlmForCausalLM, ranges) -> list[GlmForCausalLM]:
@@ -37,13 +35,12 @@ def stage_models(whole: GlmForCausalLM, ranges) -> list[GlmForCausalLM]:
 def whole_prefill(engine: Engine, key: str, prompt: list[int]):
     """A prefill worker's run on one engine: the prompt's block rows, the first token, the MTP seed."""
     engine.add_request(key, prompt, GREEDY, hold_blocks=True)
-    while key not in engine.held:
-        engine.step()
-    req = engine.held[key]
-    rows = engine.cache.buffer[req.block_ids[: -(-len(prompt) // BS)]].clone()
-    result = (rows, req.output_ids[0], req.last_hidden.float(), req.num_cached_prompt)
+    while not any(e.finished for e in engine.step()):
+        pass
+    held = engine.held_prefill(key)
+    rows = engine.kv_buffer[held.block_ids[: -(-len(prompt) // BS)]].clone()
     engine.release(key)
-    return result
+    return rows, held.output
 
 
 def staged_prefill(stages: list[StageEngine], carries: list[bool], key: str, prompt: list[int]):
@@ -64,28 +61,28 @@ def staged_prefill(stages: list[StageEngine], carries: list[bool], key: str, pro
             if i in writes:  # what the stage writes to the decode worker after this chunk
                 shipped[k] += s.block_ids(key, writes[i])
             handoff = out.handoff or handoff
-    rows = torch.cat([s.cache.buffer[ids] for s, ids in zip(stages, shipped, strict=True)], dim=1)
+    rows = torch.cat([s.kv_buffer[ids] for s, ids in zip(stages, shipped, strict=True)], dim=1)
     for s in stages:
         s.release(key)
-    return rows, handoff.first_token, torch.frombuffer(bytearray(handoff.mtp_hidden), dtype=torch.float32), num_cached
+    return rows, handoff, num_cached
 
 
 def _whole_results(model, ps):
     engine = Engine(model, ENGINE, revision="r")
-    return engine.kv.root_hash, [whole_prefill(engine, f"w{i}", p) for i, p in enumerate(ps)]
+    return engine.cache_root, [whole_prefill(engine, f"w{i}", p) for i, p in enumerate(ps)]
 
 
 def _check_equal(whole, model, plan, ps):
     root, results = whole
     stages = [StageEngine(m, ENGINE, revision="r") for m in stage_models(model, plan.ranges)]
-    assert {s.kv.root_hash for s in stages} == {root}  # one hash for the whole model's block
+    assert {s.cache_root for s in stages} == {root}  # one hash for the whole model's block
     carries = [plan.carries_topk(k) for k in range(len(stages))]
-    for i, (prompt, want) in enumerate(zip(ps, results, strict=True)):
-        want_rows, want_token, want_hidden, want_cached = want
-        rows, token, hidden, cached = staged_prefill(stages, carries, f"s{i}", prompt)
-        assert cached == want_cached and (i == 0 or cached > 0)
-        assert token == want_token
-        assert torch.equal(hidden, want_hidden)
+    for i, (prompt, (want_rows, want)) in enumerate(zip(ps, results, strict=True)):
+        rows, out, cached = staged_prefill(stages, carries, f"s{i}", prompt)
+        assert cached == want.num_cached_tokens == out.num_cached_tokens and (i == 0 or cached > 0)
+        assert out.first_token == want.first_token and out.mtp_hidden == want.mtp_hidden
+        assert out.first_logprob == pytest.approx(want.first_logprob, abs=1e-5)
+        assert [t for t, _ in out.first_top_logprobs] == [t for t, _ in want.first_top_logprobs]
         assert rows.shape == want_rows.shape
         assert torch.equal(rows.view(torch.uint8), want_rows.view(torch.uint8)), f"prompt {i}: KV bytes differ"
     for s in stages:
@@ -106,11 +103,12 @@ BUNDLED_PROMPTS = _prompts_with_prefix_hits(8192, 300)
 
 @pytest.fixture(scope="module")
 def bundled():
-    model = load_model(BUNDLED)
+    model = load_model(MODEL_DIR)
     assert len(BUNDLED_PROMPTS[0]) > model.config.index_topk
     return model, _whole_results(model, BUNDLED_PROMPTS)
 
 
+@requires_model
 @pytest.mark.parametrize("split", ["0-7", "planned-2", "planned-4"])
 def test_bundled_model_stages_equal_one_engine(bundled, split):
     model, whole = bundled

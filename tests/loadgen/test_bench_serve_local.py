@@ -21,23 +21,15 @@ from glmserve.cli import main
 from glmserve.loadgen.request_record import RequestRecord, read_jsonl
 from glmserve.loadgen.server_metrics import metrics_delta
 from glmserve.loadgen.stream_client import StreamClient
+from tests.shared import MODEL_DIR, REPO, free_port, requires_model
 
-REPO = Path(__file__).resolve().parents[2]
-MODEL = REPO / "models" / "glm52-tiny"
-pytestmark = pytest.mark.skipif(not (MODEL / "model.safetensors").exists(), reason="bundled model missing")
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+MODEL = MODEL_DIR
+pytestmark = requires_model
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory):
-    port = _free_port()
+    port = free_port()
     log = tmp_path_factory.mktemp("serve-local") / "log.txt"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     with log.open("w") as out:

@@ -14,16 +14,13 @@ from pathlib import Path
 
 import pytest
 
+from tests.shared import free_port  # noqa: F401 - the redis tests import it from here
+
 REDIS_SERVER = shutil.which("redis-server")
 requires_redis_server = pytest.mark.skipif(
     REDIS_SERVER is None, reason="redis-server not installed (apt-get install redis-server)"
 )
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class RedisServer:

@@ -4,31 +4,20 @@ backend that replays fixed token ids (for paths the tiny model cannot be steered
 from __future__ import annotations
 
 import asyncio
-import os
-import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
-from pathlib import Path
 
 import httpx
 import uvicorn
 
 from glmserve.core.generation import SamplingParams, TokenEvent
+from glmserve.core.stop_checker import StopChecker
 from glmserve.services.router.backend import GenerationBackend, RequestHints
-
-# The bundled model; GLMSERVE_TEST_MODEL_DIR points the tests at another dir of the same format.
-MODEL_DIR = Path(
-    os.environ.get("GLMSERVE_TEST_MODEL_DIR", Path(__file__).resolve().parents[2] / "models" / "glm52-tiny")
-)
-HAS_MODEL = (MODEL_DIR / "model.safetensors").exists()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from glmserve.text.output_text import OutputText
+from glmserve.text.tokenizer import Tokenizer
+from tests.shared import HAS_MODEL, MODEL_DIR, free_port  # noqa: F401 - re-exported to the tests
 
 
 @contextmanager
@@ -62,11 +51,13 @@ def _ok(url: str) -> bool:
 
 
 class ScriptedBackend(GenerationBackend):
-    """Answers every request with ``script(prompt_ids)``'s token ids, one per event, then "stop".
+    """Answers every request with ``script(prompt_ids)``'s token ids, one per event, with their
+    text made as an engine makes it (`OutputText`: a stop string ends the request), then "stop".
     Records what reached it; ``is_ready`` and ``fail_with`` steer readiness and failures."""
 
-    def __init__(self, script: Callable[[list[int]], list[int]], delay_s: float = 0.0):
-        self.script = script
+    def __init__(self, script: Callable[[list[int]], list[int]], tokenizer: Tokenizer,
+                 delay_s: float = 0.0):
+        self.script, self.tokenizer = script, tokenizer
         self.delay_s = delay_s
         self.generated: list[tuple[str, list[int], SamplingParams]] = []
         self.aborted: list[str] = []
@@ -89,13 +80,20 @@ class ScriptedBackend(GenerationBackend):
         if self.fail_with is not None:
             yield TokenEvent.ended(request_id, "error", self.fail_with)
             return
+        checker = StopChecker(params)
+        text = OutputText(self.tokenizer, params, checker)
         ids = self.script(prompt_ids)[: params.max_tokens]
         for i, token in enumerate(ids):
             await asyncio.sleep(self.delay_s)
             if request_id in self.aborted:  # the contract: an aborted stream ends with "abort"
                 yield TokenEvent.ended(request_id, "abort")
                 return
-            last = i == len(ids) - 1
-            reason = None if not last else ("length" if len(ids) == params.max_tokens else "stop")
+            checker.check_tokens([token])
+            if i == len(ids) - 1 and not checker.finished:
+                checker.finish_reason = "stop"  # the script ended: as if by an eos token
+            delta = text.push([token])
             logprobs = [-0.5] if params.logprobs is not None else []
-            yield TokenEvent(request_id, [token], logprobs=logprobs, finish_reason=reason)
+            top = [[(token, -0.5)] * params.logprobs] if params.logprobs else []
+            yield TokenEvent(request_id, [token], delta, logprobs, top, checker.finish_reason, checker.stop_reason)
+            if checker.finished:
+                return

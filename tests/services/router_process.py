@@ -11,10 +11,7 @@ import time
 from pathlib import Path
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
-from worker_fixtures import MODEL_DIR, read_ready_address, spawn_service
-
-from glmserve.services.metrics_exposition import SERVICE_LABELS
+from worker_fixtures import MODEL_DIR, MetricSamples, metric_samples, read_ready_address, spawn_service
 
 
 class RouterProcess:
@@ -42,10 +39,8 @@ class RouterProcess:
     def ready(self) -> httpx.Response:
         return httpx.get(f"{self.url}/ready", timeout=5)
 
-    def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-        text = httpx.get(f"{self.url}/metrics", timeout=5).text
-        return {(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k not in SERVICE_LABELS))): s.value
-                for family in text_string_to_metric_families(text) for s in family.samples}
+    def metrics(self) -> MetricSamples:
+        return metric_samples(httpx.get(f"{self.url}/metrics", timeout=5).text)
 
     def stop(self) -> int:
         if self.proc.poll() is None:

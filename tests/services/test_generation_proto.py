@@ -5,20 +5,24 @@ import dataclasses
 import pytest
 
 from glmserve.core.generation import SamplingParams, TokenEvent
+from glmserve.engine.handoff import PrefillOutput
 from glmserve.proto_gen.glmserve.decode.v1 import decode_pb2 as decode_pb
+from glmserve.proto_gen.glmserve.prefill.v1 import prefill_pb2 as prefill_pb
 from glmserve.services.generation_proto import (
     event_from_proto,
     event_to_proto,
     sampling_from_proto,
     sampling_to_proto,
 )
+from glmserve.services.prefill_proto import reply_from_proto, reply_to_proto
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0)
 
 
 def test_sampling_round_trip():
     for params in (SamplingParams(), GREEDY, SamplingParams(max_tokens=3, temperature=0.5, top_p=0.25,
-                   top_k=7, seed=2**64 - 1, stop_token_ids=(5,), stop=("x",), ignore_eos=True, logprobs=2)):
+                   top_k=7, seed=2**64 - 1, stop_token_ids=(5,), stop=("x",), ignore_eos=True, logprobs=2,
+                   visible_special_tokens=("<tool_call>",))):
         back = sampling_from_proto(sampling_to_proto(params))
         assert dataclasses.replace(back, seed=params.seed, temperature=params.temperature,
                                    top_p=params.top_p) == params
@@ -49,3 +53,13 @@ def test_event_request_id_is_the_receivers():
 def test_unknown_finish_reason_reads_as_an_error():
     event = event_from_proto("r", decode_pb.GenerateEvent(finish_reason="exploded"))
     assert event.finish_reason == "error" and "exploded" in event.error
+
+
+@pytest.mark.parametrize("output", [
+    PrefillOutput(first_token=7, mtp_hidden=b"\x00\x01" * 8, num_cached_tokens=64),
+    PrefillOutput(first_token=7, mtp_hidden=b"h" * 16, first_logprob=-0.5,
+                  first_top_logprobs=[(7, -0.5), (3, -1.25)], num_cached_tokens=0),
+])
+def test_prefill_reply_round_trip(output):
+    wire = prefill_pb.PrefillReply.FromString(reply_to_proto(output, b"stamp").SerializeToString())
+    assert reply_from_proto(wire) == (output, b"stamp")

@@ -14,10 +14,10 @@ from glmserve.kv.block_index import (
     IndexUnavailable,
     InMemoryBlockIndex,
     PrefixMatch,
-    RedisBlockIndex,
     Tier,
     stage_worker_id,
 )
+from glmserve.services.kvstore.redis_index import RedisBlockIndex
 
 H = [bytes([i]) * 16 for i in range(200)]  # stand-ins for chain hashes, prompt order
 D, HOST = Tier.DEVICE, Tier.HOST

@@ -14,6 +14,7 @@ from pathlib import Path
 import grpc
 import pytest
 from redis_fixtures import RedisServer, free_port, requires_redis_server
+from worker_fixtures import MetricSamples, metric_samples
 
 from glmserve.kv.block_index import PrefixMatch, Tier
 from glmserve.proto_gen.glmserve.kvstore.v1 import kvstore_pb2 as pb
@@ -47,7 +48,7 @@ class KVStoreProcess:
         self.client = KVStoreClient(f"127.0.0.1:{self.port}", timeout_s=2.0)
         self._wait_ready()
 
-    def _wait_ready(self, timeout_s: float = 15.0) -> None:
+    def _wait_ready(self, timeout_s: float = 60.0) -> None:  # a loaded 2-core machine imports slowly
         deadline = time.monotonic() + timeout_s
         while True:
             try:
@@ -59,9 +60,9 @@ class KVStoreProcess:
                     raise RuntimeError(f"kvstore did not start:\n{self.log.read_text()}") from None
                 time.sleep(0.05)
 
-    def metrics(self) -> str:
+    def metrics(self) -> MetricSamples:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as r:
-            return r.read().decode()
+            return metric_samples(r.read().decode())
 
     def stop(self) -> int:
         self.client.close()
@@ -94,16 +95,16 @@ def test_in_memory_service(memory_kvstore: KVStoreProcess) -> None:
     client.publish_removed("w1", D, H[:1])
     assert client.lookup(H) == {}
 
-    text = memory_kvstore.metrics()
-    for line in (
-        'glmserve_kvstore_events_total{kind="stored"} 3.0',
-        'glmserve_kvstore_events_total{kind="removed"} 2.0',
-        "glmserve_kvstore_lookups_total 3.0",
-        'glmserve_kvstore_indexed_blocks{tier="device"} 9.0',
-        'glmserve_kvstore_indexed_blocks{tier="host"} 0.0',
-        "glmserve_kvstore_index_up 1.0",
+    samples = memory_kvstore.metrics()
+    for name, labels, value in (
+        ("glmserve_kvstore_events_total", (("kind", "stored"),), 3.0),
+        ("glmserve_kvstore_events_total", (("kind", "removed"),), 2.0),
+        ("glmserve_kvstore_lookups_total", (), 3.0),
+        ("glmserve_kvstore_indexed_blocks", (("tier", "device"),), 9.0),
+        ("glmserve_kvstore_indexed_blocks", (("tier", "host"),), 0.0),
+        ("glmserve_kvstore_index_up", (), 1.0),
     ):
-        assert line in text
+        assert samples[name, labels] == value, name
 
     assert memory_kvstore.stop() == 0  # SIGTERM: clean exit
     log = memory_kvstore.log.read_text()
@@ -176,7 +177,7 @@ def test_redis_down_is_reported_not_hung(redis_server: RedisServer, tmp_path: Pa
         assert time.monotonic() - start < 1.5
         assert e.value.code == grpc.StatusCode.UNAVAILABLE and e.value.unavailable
         assert "block index unavailable" in e.value.details
-        assert "glmserve_kvstore_index_up 0.0" in kv.metrics()
+        assert kv.metrics()["glmserve_kvstore_index_up", ()] == 0.0
 
         redis_server.start()  # same port, empty (no persistence): the service recovers by itself
         assert kv.client.health().index_up

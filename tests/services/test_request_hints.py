@@ -29,7 +29,7 @@ def tokenizer() -> Tokenizer:
 
 @pytest.fixture(scope="module")
 def backend(tokenizer: Tokenizer) -> ScriptedBackend:
-    return ScriptedBackend(lambda _: tokenizer.encode("ok"))
+    return ScriptedBackend(lambda _: tokenizer.encode("ok"), tokenizer)
 
 
 @pytest.fixture(scope="module")

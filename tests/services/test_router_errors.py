@@ -3,6 +3,9 @@ never reaches the backend, and the router keeps serving (DESIGN.md invariant 6).
 
 from __future__ import annotations
 
+import json
+import re
+
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -25,7 +28,7 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def backend(tokenizer):
-    return ScriptedBackend(lambda _: tokenizer.encode("ok then"))
+    return ScriptedBackend(lambda _: tokenizer.encode("ok then"), tokenizer)
 
 
 @pytest.fixture(scope="module")
@@ -185,3 +188,17 @@ def test_still_serving_after_bad_requests_and_errors_are_counted(http, base, bac
     for status in ("200", "400", "401", "503"):
         assert ("chat_completions", status) in counted, status
     assert {endpoint for endpoint, _ in counted} <= {"chat_completions", "completions", "models"}  # no /v1/nothing
+
+
+def test_openapi_documents_the_request_bodies(base):
+    schema = httpx.get(f"{base}/openapi.json").json()  # open: no key needed
+    components = schema["components"]["schemas"]
+    for path, name in (("/v1/chat/completions", "ChatCompletionRequest"), ("/v1/completions", "CompletionRequest")):
+        body = schema["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+        assert body == {"$ref": f"#/components/schemas/{name}"}
+    chat = components["ChatCompletionRequest"]
+    assert {"model", "messages"} <= set(chat["required"])
+    assert {"temperature", "top_p", "max_tokens", "logprobs", "top_logprobs", "tools", "stream"} <= set(chat["properties"])
+    assert "ChatMessage" in components and "Tool" in components
+    refs = set(re.findall(r'"#/components/schemas/([A-Za-z0-9_]+)"', json.dumps(schema)))
+    assert refs and refs <= set(components)  # every reference resolves

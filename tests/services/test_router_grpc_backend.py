@@ -35,12 +35,14 @@ TOKENS = [11, 12, 13, 14, 15]
 
 
 class FakeDecode(decode_grpc.DecodeServicer):
-    """Streams ``tokens`` (one per event, ``delay_s`` apart, at most max_tokens); records requests
-    and the request ids whose call was cancelled; ``fail`` refuses every Generate with that code."""
+    """Streams ``tokens`` (one per event, ``delay_s`` apart, at most max_tokens) with ``texts`` (a
+    text per token, as a decode worker makes it); records requests and the request ids whose call
+    was cancelled; ``fail`` refuses every Generate with that code."""
 
     def __init__(self, tokens: list[int], delay_s: float = 0.01, free_blocks: int = 100,
-                 fail: grpc.StatusCode | None = None):
+                 fail: grpc.StatusCode | None = None, texts: list[str] | None = None):
         self.tokens, self.delay_s, self.free_blocks, self.fail = tokens, delay_s, free_blocks, fail
+        self.texts = texts or [""] * len(tokens)
         self.requests: list[decode_pb.GenerateRequest] = []
         self.running: set[str] = set()
         self.cancelled: list[str] = []
@@ -58,7 +60,8 @@ class FakeDecode(decode_grpc.DecodeServicer):
                 last = i == n - 1
                 reason = ("length" if n == request.sampling.max_tokens else "stop") if last else ""
                 yield decode_pb.GenerateEvent(
-                    token_ids=[token], logprobs=[-0.5] if request.sampling.HasField("logprobs") else [],
+                    token_ids=[token], text=self.texts[i],
+                    logprobs=[-0.5] if request.sampling.HasField("logprobs") else [],
                     finish_reason=reason, num_cached_tokens=2,
                 )
         except asyncio.CancelledError:
@@ -209,10 +212,11 @@ def test_refused_before_the_first_event_retries_elsewhere_with_a_new_generation(
 
 
 def start_fake_process(port: int = 0, tokens: list[int] = TOKENS, delay_s: float = 0.01,
-                       free_blocks: int = 100) -> tuple[subprocess.Popen[str], str]:
-    """This file as a script: a fake decode + prefill server; returns (process, host:port)."""
+                       free_blocks: int = 100, with_text: bool = False) -> tuple[subprocess.Popen[str], str]:
+    """This file as a script: a fake decode + prefill server; returns (process, host:port).
+    ``with_text``: events carry the tokens' text (the bundled model's tokenizer)."""
     cmd = [sys.executable, __file__, "--port", str(port), "--tokens", ",".join(map(str, tokens)),
-           "--delay", str(delay_s), "--free-blocks", str(free_blocks)]
+           "--delay", str(delay_s), "--free-blocks", str(free_blocks), *(["--with-text"] if with_text else [])]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env, cwd=REPO)
     line = proc.stdout.readline()
@@ -292,7 +296,7 @@ def test_router_streams_through_a_worker_and_reports_its_death_as_an_sse_error()
     from glmserve.text.tokenizer import Tokenizer
 
     tokens = Tokenizer.from_dir(MODEL_DIR).encode(" hello there" * 40)
-    proc, addr = start_fake_process(tokens=tokens, delay_s=0.02)
+    proc, addr = start_fake_process(tokens=tokens, delay_s=0.02, with_text=True)
     try:
         with serve(_app(DisaggregatedBackend([addr], [addr], poll_interval_s=0.1))) as base:
             body = {"model": "glm52-tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
@@ -320,7 +324,12 @@ def test_router_streams_through_a_worker_and_reports_its_death_as_an_sse_error()
 
 async def _serve_fake(args: argparse.Namespace) -> None:
     tokens = [int(t) for t in args.tokens.split(",") if t]
-    decode = FakeDecode(tokens, delay_s=args.delay, free_blocks=args.free_blocks)
+    from router_fixtures import MODEL_DIR
+
+    from glmserve.text.tokenizer import Tokenizer
+
+    texts = [Tokenizer.from_dir(MODEL_DIR).decode([t]) for t in tokens] if args.with_text else None
+    decode = FakeDecode(tokens, delay_s=args.delay, free_blocks=args.free_blocks, texts=texts)
     server, address = await start_fake(decode=decode, prefill=FakePrefill(), port=args.port)
     print(f"READY {address}", flush=True)
     await server.wait_for_termination()
@@ -332,4 +341,5 @@ if __name__ == "__main__":
     parser.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     parser.add_argument("--delay", type=float, default=0.01)
     parser.add_argument("--free-blocks", type=int, default=100)
+    parser.add_argument("--with-text", action="store_true")
     asyncio.run(_serve_fake(parser.parse_args()))

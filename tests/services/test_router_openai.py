@@ -11,8 +11,10 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
+from logprob_oracle import reference_logprobs
 from router_fixtures import HAS_MODEL, MODEL_DIR, ScriptedBackend, serve
 
+from glmserve.model.loader import load_model
 from glmserve.services.local_backend import LocalEngineBackend
 from glmserve.services.router.app import create_app
 from glmserve.text.tokenizer import Tokenizer
@@ -84,6 +86,65 @@ def test_chat_streaming_equals_non_streaming_with_usage(client, tokenizer):
     assert text == (choice.message.content or "")
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == choice.finish_reason
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model(MODEL_DIR)
+
+
+def _ids(tokenizer: Tokenizer, spellings: list[bytes]) -> list[int]:
+    by_bytes = {tokenizer.token_bytes(i): i for i in range(tokenizer.vocab_size)}
+    return [by_bytes[b] for b in spellings]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_top_logprobs_are_the_models(client, tokenizer, model, stream):
+    """Every token's logprob and its top_logprobs equal the model's log_softmax (first token included)."""
+    messages = _user("What does json/decoder.py do?")
+    kwargs = {**GREEDY, "messages": messages, "logprobs": True, "top_logprobs": 5}
+    if stream:
+        chunks = list(client.chat.completions.create(stream=True, **kwargs))
+        entries = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    else:
+        entries = client.chat.completions.create(**kwargs).choices[0].logprobs.content
+    generated = _ids(tokenizer, [bytes(e.bytes) for e in entries])
+    prompt = tokenizer.apply_chat_template(messages)
+    expected = reference_logprobs(model, prompt, generated, 5)
+    assert len(entries) == len(expected) >= 1
+    for entry, ref in zip(entries, expected, strict=True):
+        assert entry.logprob == pytest.approx(ref.chosen, abs=1e-3)
+        assert [a.logprob for a in entry.top_logprobs] == pytest.approx([lp for _, lp in ref.top], abs=1e-3)
+        assert _ids(tokenizer, [bytes(a.bytes) for a in entry.top_logprobs])[0] == ref.top[0][0]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completion_top_logprobs_are_the_models(client, tokenizer, model, stream):
+    prompt = tokenizer.encode("def fibonacci(n):")
+    kwargs = {"model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0, "logprobs": 3}
+    if stream:
+        parts = [c.choices[0].logprobs for c in client.completions.create(stream=True, **kwargs)
+                 if c.choices and c.choices[0].logprobs]
+        tokens = [t for p in parts for t in p.tokens]
+        chosen = [lp for p in parts for lp in p.token_logprobs]
+        tops = [t for p in parts for t in p.top_logprobs]
+    else:
+        lp = client.completions.create(**kwargs).choices[0].logprobs
+        tokens, chosen, tops = lp.tokens, lp.token_logprobs, lp.top_logprobs
+    generated = _ids(tokenizer, [t.encode() for t in tokens])
+    expected = reference_logprobs(model, prompt, generated, 3)
+    assert len(chosen) == len(expected) == len(tops) >= 1
+    for value, top, ref in zip(chosen, tops, expected, strict=True):
+        assert value == pytest.approx(ref.chosen, abs=1e-3)
+        assert 3 <= len(top) <= 4  # the 3 most likely, and the chosen one if it is not among them
+        assert sorted(top.values(), reverse=True)[:3] == pytest.approx([v for _, v in ref.top], abs=1e-3)
+
+
+def test_logprobs_ranges_are_checked(client):
+    with pytest.raises(openai.BadRequestError, match="top_logprobs"):
+        client.chat.completions.create(**GREEDY, messages=_user("x"), logprobs=True, top_logprobs=21)
+    with pytest.raises(openai.BadRequestError, match="logprobs"):
+        client.completions.create(model=MODEL, prompt="x", max_tokens=1, logprobs=6)
 
 
 def test_repeated_prompt_reports_cached_tokens(client):
@@ -205,7 +266,8 @@ class ThreadRecordingTokenizer(Tokenizer):
 def scripted():
     tokenizer = ThreadRecordingTokenizer.from_dir(MODEL_DIR)
     call, stop = tokenizer.encode(CALL_TEXT), tokenizer.encode("one two STOP three four")
-    backend = ScriptedBackend(lambda prompt: call if "SCRIPT-CALL" in tokenizer.decode(prompt) else stop)
+    backend = ScriptedBackend(lambda prompt: call if "SCRIPT-CALL" in tokenizer.decode(prompt) else stop,
+                              tokenizer)
     app = create_app(backend, tokenizer, MODEL, max_context=4096)
     with serve(app) as url:
         yield backend, openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0), tokenizer
@@ -228,11 +290,12 @@ def test_tool_call_markup_becomes_tool_calls(scripted):
     )
 
 
-def test_router_cuts_stop_strings_and_ends_the_request(scripted):
+def test_stop_strings_end_the_request_where_the_text_is_made(scripted):
     backend, client, _ = scripted
+    aborts = len(backend.aborted)
     out = client.chat.completions.create(model=MODEL, messages=_user("x"), stop=["STOP"], max_tokens=100)
     assert out.choices[0].message.content == "one two " and out.choices[0].finish_reason == "stop"
-    assert backend.aborted  # the backend was told to stop at once
+    assert len(backend.aborted) == aborts  # the backend stopped by itself: no abort round trip
     chunks = client.chat.completions.create(model=MODEL, messages=_user("x"), stop="STOP", stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "one two "
 

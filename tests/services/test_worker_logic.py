@@ -51,9 +51,9 @@ class FakePrefill:
             await asyncio.sleep(3600)
         e, key = self.engine, f"{call.request_id}@{call.generation}"
         e.add_request(key, list(call.prompt_ids), dataclasses.replace(call.params, max_tokens=1), hold_blocks=True)
-        while key in e.requests:
+        while e.has_unfinished():
             e.step()
-        held = e.held[key]
+        held = e.held_prefill(key)
         peer = self.backend.connect(call.decode_target)
         src, dst = held.block_ids[: len(call.dest_block_ids)], list(call.dest_block_ids)
         if self.stale_first:  # an older generation's write completes first: it must be ignored
@@ -64,9 +64,8 @@ class FakePrefill:
         if self.corrupt:
             e.cache.buffer[src[0], :8] += 1.0  # the bytes sent are not the bytes stamped
         await self._write(peer, stamp, src, dst)
-        hidden = held.last_hidden.float().numpy().tobytes()
         e.release(key)
-        return PrefillAnswer(held.output_ids[0], None, hidden, stamp.encode(), held.num_cached_prompt)
+        return PrefillAnswer(held.output, stamp.encode())
 
     async def _write(self, peer: str, stamp: TransferStamp, src: list[int], dst: list[int]) -> None:
         handle = self.backend.write(peer, stamp, src, dst)
@@ -207,7 +206,7 @@ def test_prefill_worker_abort_and_late_prefill():
             result = await worker.prefill(job("c", long_prompt[:40]))
             assert receiver.completions() == [result.stamp] and result.stamp == TransferStamp("c", 1)
             src = await worker.engine.submit(lambda e: e.pool.num_used)
-            assert src == 0 and len(result.mtp_hidden) == 4 * receiver_engine.model.config.hidden_size
+            assert src == 0 and len(result.output.mtp_hidden) == 4 * receiver_engine.model.config.hidden_size
         finally:
             await worker.close()
             receiver.close()

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from logprob_oracle import reference_logprobs
 from worker_fixtures import HAS_MODEL, MODEL_DIR, Outcome, WorkerProcess, generate, generate_request
 
 from glmserve.core.generation import SamplingParams
@@ -43,6 +44,7 @@ def oracle():
             cache[tuple(prompt)] = greedy_generate(model, prompt, MAX_TOKENS, stop_ids=model.config.eos_token_ids)
         return cache[tuple(prompt)]
 
+    run.model = model  # for the logprobs reference
     return run
 
 
@@ -93,10 +95,16 @@ def test_outputs_equal_single_process(workers, oracle):
     # The same prompt again: its full blocks come from the prefill worker's prefix cache.
     again = asyncio.run(_run_all(decode, [(f"again-{kind}", ps[5], {})], prefill.address))[0]
     assert again.tokens == oracle(ps[5]) and again.num_cached_tokens == len(ps[5]) // 64 * 64 > 0
-    # Logprobs come with every token, the first one from the prefill worker.
-    with_lp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=0)
+    # Logprobs and top logprobs come with every token, the first one's from the prefill worker, and
+    # equal the model's log_softmax.
+    with_lp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=3)
     lp = asyncio.run(_run_all(decode, [(f"lp-{kind}", ps[0], {})], prefill.address, with_lp))[0]
-    assert lp.tokens == oracle(ps[0]) and all(len(e.logprobs) == len(e.token_ids) for e in lp.events)
+    assert lp.tokens == oracle(ps[0])
+    values = [v for e in lp.events for v in e.logprobs]
+    tops = [[(t, v) for t, v in zip(top.token_ids, top.logprobs, strict=True)] for e in lp.events for top in e.top_logprobs]
+    expected = reference_logprobs(oracle.model, ps[0], lp.tokens, 3)
+    assert values == pytest.approx([r.chosen for r in expected], abs=1e-3)
+    assert [[t for t, _ in top] for top in tops] == [[t for t, _ in r.top] for r in expected]
     assert asyncio.run(_bad_requests(decode, prefill.address)) == ["INVALID_ARGUMENT"] * 3
     _assert_pools_full(prefill, decode, free)
     d, p = decode.metrics(), prefill.metrics()

@@ -12,7 +12,6 @@ import asyncio
 import os
 import selectors
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -32,19 +31,18 @@ from glmserve.proto_gen.glmserve.prefill.v1 import prefill_pb2 as prefill_pb
 from glmserve.proto_gen.glmserve.prefill.v1 import prefill_pb2_grpc as prefill_grpc
 from glmserve.services.generation_proto import sampling_to_proto
 from glmserve.services.metrics_exposition import SERVICE_LABELS
+from tests.shared import HAS_MODEL, MODEL_DIR, REPO, free_port  # noqa: F401 - re-exported to the tests
 
-REPO = Path(__file__).resolve().parents[2]
-MODEL_DIR = Path(
-    os.environ.get("GLMSERVE_TEST_MODEL_DIR", Path(__file__).resolve().parents[2] / "models" / "glm52-tiny")
-)
-HAS_MODEL = (MODEL_DIR / "model.safetensors").exists()
 KV_CACHE_BYTES = 48 << 20  # ~130 blocks of 64 tokens with the bundled model: small pools, fast starts
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+MetricSamples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def metric_samples(text: str) -> MetricSamples:
+    """Every sample of a /metrics page: (name, sorted labels but the service's own) -> value."""
+    return {(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k not in SERVICE_LABELS))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
 
 
 def spawn_service(cmd: list[str], log: Path) -> subprocess.Popen[bytes]:
@@ -107,13 +105,11 @@ class WorkerProcess:
         with grpc.insecure_channel(self.address) as channel:
             return stub_cls(channel).Health(request, timeout=5)
 
-    def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    def metrics(self) -> MetricSamples:
         """Every sample of the worker's /metrics: (name, sorted labels) -> value."""
         url = f"http://127.0.0.1:{self.metrics_port}/metrics"
         with urllib.request.urlopen(url, timeout=5) as r:
-            text = r.read().decode()
-        return {(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k not in SERVICE_LABELS))): s.value
-                for family in text_string_to_metric_families(text) for s in family.samples}
+            return metric_samples(r.read().decode())
 
     def wait_free(self, free_blocks: int, timeout_s: float = 15.0) -> object:
         """Poll Health until ``free_blocks`` are free again and nothing runs; the last reply."""

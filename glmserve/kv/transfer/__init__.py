@@ -65,9 +65,10 @@ def nixl_unavailable_reason() -> str | None:
     return None
 
 
-def make_backend(kind: str = "auto", **options: Any) -> KVTransferBackend:
+def make_backend(kind: str = "auto", host: str | None = None, **options: Any) -> KVTransferBackend:
     """A transfer backend: ``nixl``, ``tcp``, or ``auto`` (NIXL when it imports, else TCP).
-    ``options`` go to the backend's constructor. The choice is logged."""
+    ``host``: the interface a TCP receiver listens on; ``options`` go to the backend's constructor
+    (e.g. ``timeout_s``: writes are failed and fenced after it). The choice is logged."""
     if kind not in BACKEND_KINDS:
         raise ValueError(f"transfer: must be one of {', '.join(BACKEND_KINDS)}, got {kind!r}")
     if kind == "auto":
@@ -82,6 +83,6 @@ def make_backend(kind: str = "auto", **options: Any) -> KVTransferBackend:
     else:
         from glmserve.kv.transfer.tcp_backend import TcpTransferBackend
 
-        backend = TcpTransferBackend(**options)
+        backend = TcpTransferBackend(**options, **({"host": host} if host is not None else {}))
     logger.info("KV transfer backend: %s", backend.kind)
     return backend

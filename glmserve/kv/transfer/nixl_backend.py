@@ -57,6 +57,7 @@ from glmserve.kv.transfer.base import (
     encode_info,
 )
 from glmserve.kv.transfer.stamp import TransferStamp
+from glmserve.kv.transfer.timeouts import AGREED
 
 logger = logging.getLogger(__name__)
 
@@ -99,8 +100,8 @@ class NixlTransferBackend(KVTransferBackend):
         *,
         name: str | None = None,
         chunk_bytes: int = 16 << 20,
-        timeout_s: float = 60.0,
-        drain_timeout_s: float = 5.0,
+        timeout_s: float = AGREED.write_s,
+        drain_timeout_s: float = AGREED.drain_s,
         error_handling: str = "peer",
         poll_interval_s: float = 0.0002,
         progress_interval_s: float = 0.001,

@@ -43,6 +43,7 @@ from glmserve.kv.transfer.base import (
     encode_info,
 )
 from glmserve.kv.transfer.stamp import MAX_ENCODED_BYTES, TransferStamp
+from glmserve.kv.transfer.timeouts import AGREED
 
 logger = logging.getLogger(__name__)
 
@@ -114,8 +115,8 @@ class TcpTransferBackend(KVTransferBackend):
         host: str = "127.0.0.1",
         port: int = 0,
         chunk_bytes: int = 1 << 20,
-        timeout_s: float = 60.0,
-        drain_timeout_s: float = 5.0,
+        timeout_s: float = AGREED.write_s,
+        drain_timeout_s: float = AGREED.drain_s,
     ) -> None:
         """``host``/``port``: where a receiver listens (port 0: any free port)."""
         for field, value in (

@@ -8,12 +8,9 @@ it awaits (and puts a final "abort" event in its output queue), so every cleanup
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
-
-import torch
 
 from glmserve.core.generation import FinishReason, SamplingParams, TokenEvent
 from glmserve.kv.transfer import StaleTransferError, StampError, TransferStamp, verify_stamp
@@ -24,6 +21,7 @@ from glmserve.services.decode.prefill_client import (
     PrefillCall,
     PrefillCallError,
 )
+from glmserve.services.engine_host import RequestStream
 from glmserve.services.worker_metrics import TokenTimer
 
 if TYPE_CHECKING:
@@ -49,8 +47,7 @@ class DecodeFlow:
         self.request_id, self.generation = request_id, generation
         self.key = f"{request_id}@{generation}"  # the engine's request id
         self._prompt, self._params, self._target, self._timer = prompt_ids, params, prefill_target, timer
-        # The engine's events for this request (posted from the engine thread), or an abort's final event.
-        self.outputs: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        self._stream: RequestStream | None = None  # the engine's events, once admitted
         self._events: asyncio.Queue[TokenEvent] = asyncio.Queue()
         self._aborted = asyncio.Event()
         self._abort_reason: str | None = None
@@ -69,7 +66,8 @@ class DecodeFlow:
         if self._ctx.metrics is not None:
             self._ctx.metrics.abort(self.stage, label)
         self._aborted.set()
-        self.outputs.put_nowait(TokenEvent.ended(self.key, "abort", reason))
+        if self._stream is not None:
+            self._stream.end("abort", reason)
 
     async def events(self) -> AsyncIterator[TokenEvent]:
         while True:
@@ -80,8 +78,7 @@ class DecodeFlow:
 
     async def _run(self, on_done: Callable[[DecodeFlow], None]) -> None:
         try:
-            first, first_logprob = await self._prefill()
-            final = await self._decode(first, first_logprob)
+            final = await self._decode(await self._prefill())
         except _Ended as e:
             final = self._final(e.reason, e.error)
         except Exception as e:  # a bug: end the stream; blocks in an unknown state wait out the backstop
@@ -93,6 +90,8 @@ class DecodeFlow:
             final = self._final("error", f"internal error: {e!r}")
         finally:
             self.stage = "done"
+            if self._stream is not None:
+                self._stream.close()
             on_done(self)
         if self._timer is not None:
             self._timer.finish()
@@ -117,13 +116,14 @@ class DecodeFlow:
         except asyncio.CancelledError:
             reserved.add_done_callback(self._release_if_reserved)
             raise
-        self._dest = blocks[: -(-n // self._ctx.block_size)]
+        self._dest = blocks[: -(-n // self._ctx.limits.block_size)]
 
     def _release_if_reserved(self, reserved: asyncio.Future[list[int]]) -> None:
         if not reserved.cancelled() and reserved.exception() is None:
             self._ctx.release_now(self.key)
 
-    async def _prefill(self) -> tuple[TokenEvent, float | None]:
+    async def _prefill(self) -> TokenEvent:
+        """Stages 2 and 3; the first token's event."""
         ctx, s, dest = self._ctx, self._ctx.settings, self._dest
         if self._abort_reason is not None:
             ctx.release_now(self.key)  # nothing was asked of any prefill worker yet
@@ -149,14 +149,15 @@ class DecodeFlow:
             raise self._abort_ended() or _Ended("error", "the KV transfer's completion did not arrive "
                                                        f"within {s.arrival_timeout_s}s")
         stamps, params, prompt = arrival.result(), self._params, self._prompt
+        self._stream = ctx.engine.open(self.key)  # before the request is in the engine
         try:
-            out = await ctx.engine.submit(lambda e: _admit(e, self, prompt, params, dest, stamps, answer,
-                                                           s.checksum))
+            first = await ctx.engine.submit(lambda e: _admit(e, self, prompt, params, dest, stamps, answer,
+                                                             s.checksum))
         except (StampError, ValueError) as e:  # _admit released the blocks
             ctx.transfer_failed("stamp")
             raise _Ended("error", f"KV transfer rejected: {e}") from None
-        self.num_cached = answer.num_cached_tokens
-        return out, answer.first_logprob
+        self.num_cached = answer.output.num_cached_tokens
+        return first
 
     async def _await_arrival(self, arrival: asyncio.Future[tuple[TransferStamp, ...]]) -> None:
         """Poll for the completion until it arrived, the flow is aborted or the wait timed out."""
@@ -190,11 +191,10 @@ class DecodeFlow:
                     "quarantined for %.0fs", self.key, self._target, answer.value, s.prefill_timeout_s)
         ctx.release_later(self.key, s.prefill_timeout_s)
 
-    async def _decode(self, out: TokenEvent, first_logprob: float | None) -> TokenEvent:
+    async def _decode(self, out: TokenEvent) -> TokenEvent:
         """Forward the engine's events until the last one, which is returned."""
         self.stage = "decode"
-        if first_logprob is not None and self._params.logprobs is not None:  # prefill computed it
-            out = dataclasses.replace(out, logprobs=[first_logprob])
+        assert self._stream is not None
         while True:
             if out.finish_reason == "abort":  # aborted here (the engine's own events never say abort)
                 await self._ctx.engine.submit(lambda e: e.abort(self.key))  # frees its blocks now
@@ -207,7 +207,7 @@ class DecodeFlow:
                 return out
             if out.token_ids:
                 self._events.put_nowait(out)
-            out = await self.outputs.get()
+            out = await self._stream.next()
 
 
 def _admit(engine: Engine, flow: DecodeFlow, prompt: list[int], params: SamplingParams, dest: list[int],
@@ -217,15 +217,10 @@ def _admit(engine: Engine, flow: DecodeFlow, prompt: list[int], params: Sampling
     key = flow.key
     try:
         _verify_transfer(engine, flow, dest, stamps, answer, checksum)
-        hidden_size = engine.model.config.hidden_size
-        if len(answer.mtp_hidden) != 4 * hidden_size:
-            raise ValueError(f"mtp_hidden: {len(answer.mtp_hidden)} bytes, expected float32 [{hidden_size}]")
-        hidden = torch.frombuffer(bytearray(answer.mtp_hidden), dtype=torch.float32).to(engine.model.dtype)
+        return engine.add_prefilled(key, prompt, params, answer.output, cache_salt=flow.cache_salt)
     except (StampError, ValueError):
         engine.release(key)
         raise
-    return engine.add_prefilled(key, prompt, params, answer.first_token, hidden, answer.num_cached_tokens,
-                                cache_salt=flow.cache_salt)
 
 
 def _verify_transfer(engine: Engine, flow: DecodeFlow, dest: list[int], stamps: tuple[TransferStamp, ...],
@@ -244,7 +239,7 @@ def _verify_transfer(engine: Engine, flow: DecodeFlow, dest: list[int], stamps: 
         if checksum and st.checksum is None:
             raise StampError("a checksum was asked for but the transfer carries none")
         blocks = dest if st.part is None else dest[st.part.first_block : st.part.first_block + st.part.num_blocks]
-        verify_stamp(st, request_id=flow.request_id, generation=flow.generation, buffer=engine.cache.buffer,
+        verify_stamp(st, request_id=flow.request_id, generation=flow.generation, buffer=engine.kv_buffer,
                      block_ids=blocks)
 
 

@@ -7,47 +7,50 @@ import asyncio
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-from glmserve.core.generation import SamplingParams
+from glmserve.core.generation import SamplingParams, check_prompt
+from glmserve.engine.engine_stats import EngineLimits
 from glmserve.kv.transfer import TransferStamp
+from glmserve.kv.transfer.timeouts import AGREED
 from glmserve.services.decode.arrivals import TransferArrivals
 from glmserve.services.decode.prefill_client import PrefillPort
-from glmserve.services.engine_thread import EngineThread
+from glmserve.services.engine_host import EngineHost
 from glmserve.services.worker_metrics import WorkerMetrics
 
-if TYPE_CHECKING:
-    from glmserve.services.decode.worker import DecodeSettings
-
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DecodeSettings:
+    prefill_timeout_s: float = AGREED.release_s  # Prefill call deadline; quarantine of undrained blocks
+    arrival_timeout_s: float = 5.0  # after the Prefill answer, how long the completion may lag
+    dead_peer_grace_s: float = 1.0  # a gone prefill worker: until its last bytes surely landed
+    checksum: bool = False  # ask prefill workers to stamp transfers with a checksum
+    poll_interval_s: float = 0.001  # completion polling between a Prefill answer and its arrival
+
+    def __post_init__(self) -> None:
+        for name in ("prefill_timeout_s", "arrival_timeout_s", "dead_peer_grace_s", "poll_interval_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}: must be > 0, got {getattr(self, name)!r}")
 
 
 @dataclass
 class FlowContext:
     """What every flow of one worker shares (set up once the engine is loaded)."""
 
-    engine: EngineThread
+    engine: EngineHost
     prefill: PrefillPort
     arrivals: TransferArrivals
     settings: DecodeSettings
     metrics: WorkerMetrics | None
     target: bytes  # this worker's transfer target_info()
     transfer_kind: str
-    block_size: int
-    vocab_size: int
-    max_positions: int
+    limits: EngineLimits
     completions: Callable[[], list[TransferStamp]]  # the receiving backend's
     quarantined: set[asyncio.TimerHandle] = field(default_factory=set)
 
     def validate(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
-        if not prompt_ids:
-            raise ValueError("prompt_ids: a prompt needs at least one token")
-        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt_ids: token ids out of range [0, {self.vocab_size}): {bad[:5]}")
-        if len(prompt_ids) + params.max_tokens > self.max_positions:
-            raise ValueError(f"prompt_ids: {len(prompt_ids)} tokens plus max_tokens {params.max_tokens} "
-                             f"exceed the model's {self.max_positions} positions")
+        check_prompt(list(prompt_ids), params, self.limits.vocab_size, self.limits.max_positions)
 
     def poll_completions(self) -> None:
         """Hand every completion that arrived to the flow expecting it (stale ones are dropped).

@@ -20,6 +20,8 @@ import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from glmserve.kv.transfer import make_backend
+from glmserve.kv.transfer.timeouts import AGREED
 from glmserve.proto_gen.glmserve.decode.v1 import decode_pb2_grpc as pb_grpc
 from glmserve.services.decode.prefill_client import GrpcPrefillClient
 from glmserve.services.decode.servicer import DecodeServicer
@@ -29,7 +31,6 @@ from glmserve.services.worker_server import (
     DEFAULT_TRANSFER_TIMEOUT_S,
     WorkerConfig,
     add_common_args,
-    build_backend,
     build_engine,
     serve_worker,
     setup_logging,
@@ -39,7 +40,7 @@ from glmserve.services.worker_server import (
 
 @dataclass(frozen=True)
 class DecodeConfig(WorkerConfig):
-    prefill_timeout_s: float = 60.0
+    prefill_timeout_s: float = AGREED.release_s  # the agreed timeout (kv/transfer/timeouts.py)
     checksum: bool = False
 
     def __post_init__(self) -> None:
@@ -60,14 +61,14 @@ class DecodeConfig(WorkerConfig):
 async def serve(config: DecodeConfig) -> int:
     publisher = start_block_events(config.kvstore, config.worker_id)
     # A receiver's transfers are bounded by the writers' timeouts; ours only matters for close().
-    backend = build_backend(config.transfer, config.host, DEFAULT_TRANSFER_TIMEOUT_S)
+    backend = make_backend(config.transfer, host=config.host, timeout_s=DEFAULT_TRANSFER_TIMEOUT_S)
     worker = DecodeWorker(
         lambda: build_engine(config.model, config.revision, config.engine_config(), publisher),
         backend,
         GrpcPrefillClient(),
         DecodeSettings(prefill_timeout_s=config.prefill_timeout_s, checksum=config.checksum),
         metrics=lambda engine: WorkerMetrics("decode", config.worker_id, lambda: engine.snapshot),
-        host=config.host_settings(),
+        host_tier=config.host_tier_settings(),
     )
     servicer = DecodeServicer(worker, config.worker_id)
     return await serve_worker(config, worker, lambda server: pb_grpc.add_DecodeServicer_to_server(servicer, server),

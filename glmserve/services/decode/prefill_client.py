@@ -24,10 +24,12 @@ import grpc
 
 from glmserve.core.errors import GlmServeError
 from glmserve.core.generation import SamplingParams
+from glmserve.engine.handoff import PrefillOutput
 from glmserve.proto_gen.glmserve.common.v1 import generation_pb2 as common_pb
 from glmserve.proto_gen.glmserve.prefill.v1 import prefill_pb2 as pb
 from glmserve.proto_gen.glmserve.prefill.v1 import prefill_pb2_grpc as pb_grpc
 from glmserve.services.generation_proto import sampling_to_proto
+from glmserve.services.prefill_proto import reply_from_proto
 
 
 @dataclass(frozen=True)
@@ -45,11 +47,8 @@ class PrefillCall:
 
 @dataclass(frozen=True)
 class PrefillAnswer:
-    first_token: int
-    first_logprob: float | None
-    mtp_hidden: bytes
-    stamp: bytes  # TransferStamp.encode()
-    num_cached_tokens: int
+    output: PrefillOutput  # the first token and the MTP seed
+    stamp: bytes  # TransferStamp.encode() of the completed transfer
     num_stages: int = 1  # LayerSplit: the stages that each wrote their slice, in parts
 
 
@@ -129,14 +128,7 @@ class GrpcPrefillClient:
         except grpc.aio.AioRpcError as e:
             code = _CODES.get(e.code(), "error")
             raise PrefillCallError(code, f"{target}: {e.code().name}: {e.details()}") from None
-        return PrefillAnswer(
-            first_token=reply.first_token,
-            first_logprob=reply.first_logprob if reply.HasField("first_logprob") else None,
-            mtp_hidden=reply.mtp_hidden,
-            stamp=reply.stamp,
-            num_cached_tokens=reply.num_cached_tokens,
-            num_stages=max(1, reply.num_stages),
-        )
+        return PrefillAnswer(*reply_from_proto(reply), num_stages=max(1, reply.num_stages))
 
     async def abort(self, target: str, request_id: str, generation: int, reason: str,
                     timeout_s: float) -> AbortAnswer:

@@ -1,7 +1,7 @@
 """DecodeWorker: a request's whole life on the decode side, transport-free.
 
 The gRPC servicer is a thin adapter over ``generate`` / ``abort`` / ``health``. Per request
-(one asyncio task, `DecodeFlow`; the engine lives on an `EngineThread`):
+(one asyncio task, `DecodeFlow`; the engine lives on an `EngineHost`):
 
 1. reserve: ``engine.reserve(key, len(prompt) + 1)``, before the stream exists (out of blocks:
    `DecodeFull`, so the caller can try another decode worker);
@@ -9,7 +9,7 @@ The gRPC servicer is a thin adapter over ``generate`` / ``abort`` / ``health``. 
    the destination blocks covering the prompt; wait for its answer, then poll for the completion;
 3. admit: on the engine thread, check the answer's stamp equals the completion's, verify it
    (request id, generation, checksum over the destination blocks), then ``add_prefilled``;
-4. decode: the engine thread's step outputs are routed to the request until it finishes.
+4. decode: the request's stream on the `EngineHost` carries the engine's events until it finishes.
 
 The engine's request id is ``<request id>@<generation>``, so blocks kept for an old generation can
 never be confused with a newer one's.
@@ -18,8 +18,9 @@ Blocks reserved for an incoming transfer are freed only when no more bytes can l
 (DESIGN invariant 2). On abort (client cancel, Abort RPC, shutdown), prefill error or timeout
 during stage 2 the flow tells the prefill worker to Abort at once and frees the blocks according
 to its answer (`DecodeFlow._give_back`): drained -> now; peer gone -> after a short grace;
-otherwise -> after ``prefill_timeout_s``, the timeout both sides agree on (the prefill workers'
-transfer timeout plus drain is below it). A transfer that completed is drained by definition.
+otherwise -> after ``prefill_timeout_s``, the timeout both sides agree on
+(`glmserve.kv.transfer.timeouts.AGREED.release_s`: the prefill workers' write timeout plus drain
+is below it). A transfer that completed is drained by definition.
 A completion of an old generation is ignored (stage 2 only accepts the exact pair it expects).
 """
 
@@ -36,11 +37,11 @@ from glmserve.kv.block_pool import OutOfBlocks
 from glmserve.kv.transfer import KVTransferBackend, TransferStamp
 from glmserve.services.decode.arrivals import TransferArrivals
 from glmserve.services.decode.flow import DecodeFlow
-from glmserve.services.decode.flow_context import FlowContext
+from glmserve.services.decode.flow_context import DecodeSettings, FlowContext
 from glmserve.services.decode.prefill_client import PrefillPort
-from glmserve.services.engine_thread import EngineThread
-from glmserve.services.host_link import HostLink, HostSettings
+from glmserve.services.engine_host import EngineHost
 from glmserve.services.host_metrics import HostTierMetrics
+from glmserve.services.host_tier_link import HostTierLink, HostTierSettings
 from glmserve.services.worker_metrics import TokenTimer, WorkerMetrics
 
 if TYPE_CHECKING:
@@ -55,20 +56,6 @@ class DecodeUnavailable(Exception):
 
 class DecodeFull(DecodeUnavailable):
     """No KV blocks for this prompt now; another decode worker may have them."""
-
-
-@dataclass(frozen=True)
-class DecodeSettings:
-    prefill_timeout_s: float = 60.0  # Prefill call deadline; quarantine of undrained blocks
-    arrival_timeout_s: float = 5.0  # after the Prefill answer, how long the completion may lag
-    dead_peer_grace_s: float = 1.0  # a gone prefill worker: until its last bytes surely landed
-    checksum: bool = False  # ask prefill workers to stamp transfers with a checksum
-    poll_interval_s: float = 0.001  # completion polling between a Prefill answer and its arrival
-
-    def __post_init__(self) -> None:
-        for field in ("prefill_timeout_s", "arrival_timeout_s", "dead_peer_grace_s", "poll_interval_s"):
-            if getattr(self, field) <= 0:
-                raise ValueError(f"{field}: must be > 0, got {getattr(self, field)!r}")
 
 
 @dataclass(frozen=True)
@@ -97,29 +84,28 @@ class DecodeWorker:
     def __init__(
         self,
         engine_factory: Callable[[], Engine],
-        backend: KVTransferBackend,
+        transfer: KVTransferBackend,
         prefill: PrefillPort,
-        settings: DecodeSettings = DecodeSettings(),
-        metrics: Callable[[EngineThread], WorkerMetrics] | None = None,
-        host: HostSettings | None = None,
+        settings: DecodeSettings | None = None,
+        metrics: Callable[[EngineHost], WorkerMetrics] | None = None,
+        host_tier: HostTierSettings | None = None,
     ) -> None:
-        """``host``: write finished requests' blocks (prompt and generated) through to the kvstore's
+        """``host_tier``: write finished requests' blocks (prompt and generated) through to the kvstore's
         host tier, and demote evicted ones there."""
-        self._engine = EngineThread(engine_factory, self._on_step, self._on_step_error, "decode-engine")
+        self._engine = EngineHost(engine_factory, "decode-engine")
         self.metrics = metrics(self._engine) if metrics is not None else None
         self.host_metrics = HostTierMetrics(self.metrics.registry) if self.metrics is not None else None
-        self._host = HostLink(host, backend, self._engine, self.host_metrics) if host is not None else None
-        self._backend = backend
+        self._host_tier = HostTierLink(host_tier, transfer, self._engine, self.host_metrics) if host_tier else None
+        self._transfer = transfer
         self._prefill = prefill
-        self._settings = settings
+        self._settings = settings or DecodeSettings()
         self._arrivals = TransferArrivals(self._on_stale)
         self._flows: dict[str, DecodeFlow] = {}  # by request id
-        self._by_key: dict[str, DecodeFlow] = {}  # by engine request id
         self._context: FlowContext | None = None
         self._closing = False
 
     @property
-    def engine(self) -> EngineThread:
+    def engine(self) -> EngineHost:
         return self._engine
 
     async def start(self) -> None:
@@ -127,19 +113,14 @@ class DecodeWorker:
         self._engine.start()
         await self._engine.loaded()
 
-        def limits(e: Engine) -> tuple[object, ...]:
-            c = e.model.config
-            return e.cache.buffer, c.vocab_size, c.max_position_embeddings, e.config.block_size
-
-        buffer, vocab, max_positions, block_size = await self._engine.submit(limits)
-        self._backend.register(buffer)
-        if self._host is not None:
-            await self._host.start(buffer)
+        buffer, limits = await self._engine.submit(lambda e: (e.kv_buffer, e.limits()))
+        self._transfer.register(buffer)
+        if self._host_tier is not None:
+            await self._host_tier.start(buffer)
         self._context = FlowContext(
             engine=self._engine, prefill=self._prefill, arrivals=self._arrivals,
-            settings=self._settings, metrics=self.metrics, target=self._backend.target_info(),
-            transfer_kind=self._backend.kind, block_size=int(block_size), vocab_size=int(vocab),
-            max_positions=int(max_positions), completions=self._backend.completions,
+            settings=self._settings, metrics=self.metrics, target=self._transfer.target_info(),
+            transfer_kind=self._transfer.kind, limits=limits, completions=self._transfer.completions,
         )
 
     def health(self) -> WorkerHealth:
@@ -169,7 +150,7 @@ class DecodeWorker:
         timer = TokenTimer(self.metrics) if self.metrics is not None else None
         flow = DecodeFlow(self._context, request_id, generation, list(prompt_ids), params,
                           prefill_target, timer, cache_salt)
-        self._flows[request_id], self._by_key[flow.key] = flow, flow
+        self._flows[request_id] = flow
         try:
             await flow.reserve()
         except OutOfBlocks as e:
@@ -193,7 +174,6 @@ class DecodeWorker:
 
     def _forget(self, flow: DecodeFlow) -> None:
         self._flows.pop(flow.request_id, None)
-        self._by_key.pop(flow.key, None)
 
     async def close(self) -> None:
         """Abort every request (streams end with "abort"; prefill workers are told), then stop."""
@@ -205,10 +185,10 @@ class DecodeWorker:
             await asyncio.wait([f.task for f in flows if f.task is not None], timeout=10.0)
         if self._context is not None:
             self._context.cancel_quarantines()
-        if self._host is not None:
-            await self._host.close()
+        if self._host_tier is not None:
+            await self._host_tier.close()
         await self._engine.stop()
-        self._backend.close()
+        self._transfer.close()
         await self._prefill.close()
 
     # --- hooks ------------------------------------------------------------------------------------
@@ -216,21 +196,3 @@ class DecodeWorker:
     def _on_stale(self, stamp: TransferStamp, why: str) -> None:
         if self.metrics is not None:
             self.metrics.transfer_stale.inc()
-
-    # --- engine thread hooks ----------------------------------------------------------------------
-
-    def _on_step(self, engine: Engine, events: list[TokenEvent]) -> None:
-        self._engine.post(self._route, events)
-
-    def _on_step_error(self, engine: Engine, error: BaseException) -> None:
-        keys = list(engine.requests)
-        for key in keys:
-            engine.abort(key)
-        message = f"decode engine step failed: {error!r}"
-        self._engine.post(self._route, [TokenEvent.ended(key, "error", message) for key in keys])
-
-    def _route(self, events: list[TokenEvent]) -> None:
-        for event in events:
-            flow = self._by_key.get(event.request_id)
-            if flow is not None:
-                flow.outputs.put_nowait(event)

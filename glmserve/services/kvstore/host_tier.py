@@ -40,6 +40,7 @@ from glmserve.kv.transfer import (
     TransferHandle,
     TransferStamp,
 )
+from glmserve.kv.transfer.timeouts import AGREED
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +77,7 @@ class LoadResult:
 
 class HostTier:
     def __init__(self, capacity_bytes: int, backend: KVTransferBackend, index: BlockIndex | None = None,
-                 *, holder_id: str = "host", lease_timeout_s: float = 120.0,
+                 *, holder_id: str = "host", lease_timeout_s: float = AGREED.lease_s,
                  completion_timeout_s: float = 5.0, clock: Callable[[], float] = time.monotonic,
                  check_integrity: bool = False, fault_load_delay_s: float = 0.0) -> None:
         """``check_integrity``: check the pool after every operation (tests). ``fault_load_delay_s``:

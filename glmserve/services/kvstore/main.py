@@ -20,13 +20,15 @@ from dataclasses import dataclass
 
 import grpc
 
-from glmserve.kv.block_index import BlockIndex, InMemoryBlockIndex, RedisBlockIndex
+from glmserve.kv.block_index import BlockIndex, InMemoryBlockIndex
+from glmserve.kv.transfer import make_backend
+from glmserve.kv.transfer.timeouts import AGREED
 from glmserve.proto_gen.glmserve.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from glmserve.services.kvstore.host_tier import HostTier
 from glmserve.services.kvstore.metrics import KVStoreMetrics
+from glmserve.services.kvstore.redis_index import RedisBlockIndex
 from glmserve.services.kvstore.servicer import KVStoreServicer
 from glmserve.services.metrics_exposition import MetricsServer, add_process_metrics, labelled
-from glmserve.services.worker_server import build_backend
 
 log = logging.getLogger("glmserve.kvstore")
 
@@ -44,7 +46,7 @@ class KVStoreConfig:
     grace_s: float = 2.0  # how long in-flight RPCs may finish on shutdown
     host_tier_bytes: int = 0  # 0: no host tier
     transfer: str = "auto"  # host-tier transfer backend: auto (NIXL when it imports), nixl, tcp
-    host_lease_timeout_s: float = 120.0  # > the workers' transfer timeout + drain
+    host_lease_timeout_s: float = AGREED.lease_s  # > the workers' write timeout + drain
     host_holder_id: str = "host"  # index holder id of host-tier blocks
     check_integrity: bool = False  # check the host pool after every operation (tests)
     fault_load_delay_s: float = 0.0  # test-only fault injection (see HostTier)
@@ -99,8 +101,8 @@ class KVStoreConfig:
     def build_host_tier(self, index: BlockIndex) -> HostTier | None:
         if self.host_tier_bytes == 0:
             return None
-        backend = build_backend(self.transfer, self.host, self.host_lease_timeout_s / 2)
-        return HostTier(self.host_tier_bytes, backend, index, holder_id=self.host_holder_id,
+        transfer = make_backend(self.transfer, host=self.host, timeout_s=AGREED.write_s)  # writes into worker blocks
+        return HostTier(self.host_tier_bytes, transfer, index, holder_id=self.host_holder_id,
                         lease_timeout_s=self.host_lease_timeout_s, check_integrity=self.check_integrity,
                         fault_load_delay_s=self.fault_load_delay_s)
 
@@ -108,11 +110,11 @@ class KVStoreConfig:
 def serve(config: KVStoreConfig, stop: threading.Event) -> None:
     """Runs the service until ``stop`` is set."""
     index = config.build_index()
-    host = config.build_host_tier(index)
-    metrics = KVStoreMetrics(index, host=host)
+    host_tier = config.build_host_tier(index)
+    metrics = KVStoreMetrics(index, host_tier=host_tier)
     add_process_metrics(metrics.registry, "kvstore")
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.threads))
-    pb_grpc.add_KVStoreServicer_to_server(KVStoreServicer(index, metrics, host), server)
+    pb_grpc.add_KVStoreServicer_to_server(KVStoreServicer(index, metrics, host_tier), server)
     port = server.add_insecure_port(f"{config.host}:{config.port}")
     http = None
     if config.metrics_port is not None:
@@ -124,20 +126,20 @@ def serve(config: KVStoreConfig, stop: threading.Event) -> None:
     if not index.healthy():
         log.warning("index backend unreachable (%s): index calls fail with UNAVAILABLE until it is back",
                     index.describe())
-    if host is not None:
+    if host_tier is not None:
         log.info("host tier: up to %d bytes, %s transfer (sized when the first worker attaches)",
-                 config.host_tier_bytes, host.backend.kind)
+                 config.host_tier_bytes, host_tier.backend.kind)
     try:
         while not stop.wait(0.5):  # short waits keep the main thread responsive to signals
-            if host is not None:
-                host.expire()  # the lease timeout backstop
+            if host_tier is not None:
+                host_tier.expire()  # the lease timeout backstop
     finally:
         log.info("kvstore stopping")
         server.stop(config.grace_s).wait()
         if http is not None:
             http.close()
-        if host is not None:
-            host.close()
+        if host_tier is not None:
+            host_tier.close()
         index.close()
         log.info("kvstore stopped")
 

@@ -73,7 +73,7 @@ class KVStoreMetrics:
     """The service's metrics; ``registry`` is what the HTTP exporter serves."""
 
     def __init__(self, index: BlockIndex, registry: CollectorRegistry | None = None,
-                 host: HostTier | None = None) -> None:
+                 host_tier: HostTier | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         self.events = Counter("glmserve_kvstore_events", "Block events applied to the index, by kind",
                               ["kind"], registry=self.registry)
@@ -84,5 +84,5 @@ class KVStoreMetrics:
         for kind in ("stored", "removed"):
             self.events.labels(kind=kind)  # export zeros before the first event
         self.registry.register(_IndexCollector(index))
-        if host is not None:
-            self.registry.register(_HostTierCollector(host))
+        if host_tier is not None:
+            self.registry.register(_HostTierCollector(host_tier))

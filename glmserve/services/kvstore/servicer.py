@@ -54,15 +54,15 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     """Serves one ``BlockIndex`` and, when given, a ``HostTier``; thread-safe because both are."""
 
     def __init__(self, index: BlockIndex, metrics: KVStoreMetrics | None = None,
-                 host: HostTier | None = None) -> None:
+                 host_tier: HostTier | None = None) -> None:
         self.index = index
         self.metrics = metrics
-        self.host = host
+        self.host_tier = host_tier
 
-    def _host(self) -> HostTier:
-        if self.host is None:
+    def _host_tier(self) -> HostTier:
+        if self.host_tier is None:
             raise HostTierUnavailable("this kvstore runs without a host tier (--host-tier-bytes)")
-        return self.host
+        return self.host_tier
 
     @_rpc
     def PublishEvents(self, request: pb.EventBatch, context: grpc.ServicerContext) -> pb.Ack:
@@ -98,7 +98,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
 
     @_rpc
     def HostAttach(self, request: pb.HostAttachRequest, context: grpc.ServicerContext) -> pb.HostAttachResponse:
-        host = self._host()
+        host = self._host_tier()
         target, num_blocks = host.attach(request.worker_id, request.transfer_kind, request.block_bytes,
                                          request.target_info, row_offset=request.row_offset,
                                          row_bytes=request.row_bytes)
@@ -106,15 +106,15 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
 
     @_rpc
     def HostLookup(self, request: pb.LookupRequest, context: grpc.ServicerContext) -> pb.HostLookupResponse:
-        return pb.HostLookupResponse(num_blocks=self._host().lookup(list(request.block_hashes)))
+        return pb.HostLookupResponse(num_blocks=self._host_tier().lookup(list(request.block_hashes)))
 
     @_rpc
     def HostBeginWrite(self, request: pb.HostBeginWriteRequest,
                        context: grpc.ServicerContext) -> pb.HostWriteLease:
         part = (request.part_stage, request.part_stages) if request.part_stages else None
-        lease = self._host().begin_write(list(request.block_hashes), part)
+        lease = self._host_tier().begin_write(list(request.block_hashes), part)
         if not lease.block_ids:  # nothing to write: no lease to end
-            self._host().end_write(lease.lease_id, committed=False)
+            self._host_tier().end_write(lease.lease_id, committed=False)
             return pb.HostWriteLease(lease_id=0)
         return pb.HostWriteLease(lease_id=lease.lease_id, block_hashes=lease.hashes,
                                  host_block_ids=lease.block_ids)
@@ -122,11 +122,11 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     @_rpc
     def HostEndWrite(self, request: pb.HostEndWriteRequest,
                      context: grpc.ServicerContext) -> pb.HostEndWriteResponse:
-        return pb.HostEndWriteResponse(stored=self._host().end_write(request.lease_id, request.committed))
+        return pb.HostEndWriteResponse(stored=self._host_tier().end_write(request.lease_id, request.committed))
 
     @_rpc
     def HostLoad(self, request: pb.HostLoadRequest, context: grpc.ServicerContext) -> pb.HostLoadResponse:
-        result = self._host().load(request.worker_id, request.request_id, request.generation,
+        result = self._host_tier().load(request.worker_id, request.request_id, request.generation,
                                    list(request.block_hashes), list(request.dest_block_ids))
         return pb.HostLoadResponse(blocks_loaded=result.blocks_loaded, drained=result.drained,
                                    error=result.error)
@@ -134,7 +134,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     @_rpc
     def HostCancelLoad(self, request: pb.HostCancelLoadRequest,
                        context: grpc.ServicerContext) -> pb.HostCancelLoadResponse:
-        found, drained = self._host().cancel_load(request.request_id, request.generation)
+        found, drained = self._host_tier().cancel_load(request.request_id, request.generation)
         return pb.HostCancelLoadResponse(found=found, drained=drained)
 
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from glmserve.core.errors import GlmServeError
 from glmserve.core.generation import SamplingParams
+from glmserve.engine.handoff import PrefillOutput
 from glmserve.kv.transfer import TransferStamp
 
 
@@ -42,11 +43,8 @@ class PrefillJob:
 
 @dataclass(frozen=True)
 class PrefillResult:
-    first_token: int
-    first_logprob: float | None
-    mtp_hidden: bytes  # float32 [hidden_size]
-    stamp: TransferStamp
-    num_cached_tokens: int
+    output: PrefillOutput  # the first token and the MTP seed
+    stamp: TransferStamp  # of the completed transfer
     num_stages: int = 1  # LayerSplit: stages that each wrote their slice (stamps with a StampPart)
 
 

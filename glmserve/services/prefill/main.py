@@ -22,6 +22,7 @@ import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from glmserve.kv.transfer import make_backend
 from glmserve.proto_gen.glmserve.prefill.v1 import prefill_pb2_grpc as pb_grpc
 from glmserve.services.prefill.servicer import PrefillServicer
 from glmserve.services.prefill.stage_job import DEFAULT_STREAM_MIN_TOKENS
@@ -32,7 +33,6 @@ from glmserve.services.worker_server import (
     DEFAULT_TRANSFER_TIMEOUT_S,
     WorkerConfig,
     add_common_args,
-    build_backend,
     build_engine,
     serve_worker,
     setup_logging,
@@ -88,12 +88,12 @@ async def serve(config: PrefillConfig) -> int:
     if config.stage_index is not None:
         return await serve_stage(config)
     publisher = start_block_events(config.kvstore, config.worker_id)
-    backend = build_backend(config.transfer, config.host, config.transfer_timeout_s)
+    backend = make_backend(config.transfer, host=config.host, timeout_s=config.transfer_timeout_s)
     worker = PrefillWorker(
         lambda: build_engine(config.model, config.revision, config.engine_config(), publisher),
         backend,
         metrics=lambda engine: WorkerMetrics("prefill", config.worker_id, lambda: engine.snapshot),
-        host=config.host_settings(),
+        host_tier=config.host_tier_settings(),
     )
     servicer = PrefillServicer(worker, config.worker_id)
     return await serve_worker(config, worker, lambda server: pb_grpc.add_PrefillServicer_to_server(servicer, server),

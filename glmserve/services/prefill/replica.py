@@ -25,6 +25,7 @@ land (a dead writer writes nothing more; DESIGN invariant 2).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -159,8 +160,8 @@ class StagedPrefill:
             if handoff is None:
                 raise PrefillFailed("the last stage ended without a first token", drained=True)
             self._observe(outcomes)
-            return PrefillResult(handoff.first_token, handoff.first_logprob, handoff.mtp_hidden,
-                                 TransferStamp(rid, gen), num_cached, num_stages=len(self._stages))
+            output = dataclasses.replace(handoff, num_cached_tokens=num_cached)
+            return PrefillResult(output, TransferStamp(rid, gen), num_stages=len(self._stages))
         finally:
             self._history.record(rid, gen, job.drained)
             del self._jobs[(rid, gen)]

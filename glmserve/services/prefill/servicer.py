@@ -16,6 +16,7 @@ from glmserve.services.generation_proto import sampling_from_proto
 from glmserve.services.prefill.job import PrefillAborted, PrefillError, PrefillJob
 from glmserve.services.prefill.replica import StagedPrefill
 from glmserve.services.prefill.worker import PrefillWorker
+from glmserve.services.prefill_proto import reply_to_proto
 
 
 class PrefillServicer(pb_grpc.PrefillServicer):
@@ -31,16 +32,7 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         except PrefillError as e:
             aborted = isinstance(e, PrefillAborted) and e.drained
             await context.abort(grpc.StatusCode.ABORTED if aborted else grpc.StatusCode.UNAVAILABLE, str(e))
-        reply = pb.PrefillReply(
-            first_token=result.first_token,
-            mtp_hidden=result.mtp_hidden,
-            stamp=result.stamp.encode(),
-            num_cached_tokens=result.num_cached_tokens,
-            num_stages=result.num_stages,
-        )
-        if result.first_logprob is not None:
-            reply.first_logprob = result.first_logprob
-        return reply
+        return reply_to_proto(result.output, result.stamp.encode(), result.num_stages)
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortReply:
         outcome = await self._worker.abort(

@@ -17,7 +17,6 @@ from typing import Protocol, TypeVar
 import grpc
 
 from glmserve.core.errors import GlmServeError
-from glmserve.engine.stage_engine import PrefillHandoff
 from glmserve.kv.block_pool import OutOfBlocks
 from glmserve.kv.transfer import TransferError
 from glmserve.proto_gen.glmserve.common.v1 import generation_pb2 as common_pb
@@ -26,6 +25,7 @@ from glmserve.proto_gen.glmserve.prefill.v1 import stage_pb2_grpc as pb_grpc
 from glmserve.services.generation_proto import sampling_to_proto as to_proto
 from glmserve.services.prefill.stage_job import StageJobSpec, StageOutcome
 from glmserve.services.prefill.stage_worker import StageWorker
+from glmserve.services.prefill_proto import reply_from_proto
 
 T = TypeVar("T")
 
@@ -137,10 +137,7 @@ class GrpcStage:
     async def finish(self, request_id: str, generation: int) -> StageOutcome:
         reply = await self._call(self._stub.Finish, stage_pb2.StageJobRef(transfer=_id(request_id, generation)),
                                  timeout_s=2 * self._timeout_s)
-        handoff = None
-        if reply.has_first_token:
-            logprob = reply.first_logprob if reply.HasField("first_logprob") else None
-            handoff = PrefillHandoff(reply.first_token, logprob, reply.mtp_hidden)
+        handoff = reply_from_proto(reply.first)[0] if reply.HasField("first") else None
         writes = tuple(zip(reply.write_started, reply.write_finished, reply.write_bytes, strict=True))
         return StageOutcome(reply.ok, reply.error, reply.drained, handoff, reply.computed_at, writes)
 

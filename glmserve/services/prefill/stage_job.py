@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from glmserve.core.generation import SamplingParams
-from glmserve.engine.stage_engine import PrefillHandoff
+from glmserve.engine.handoff import PrefillOutput
 from glmserve.model.layer_split import LayerSplitPlan
 
 DEFAULT_STREAM_MIN_TOKENS = 512
@@ -39,7 +39,7 @@ class StageOutcome:
     ok: bool
     error: str = ""
     drained: bool = True
-    handoff: PrefillHandoff | None = None
+    handoff: PrefillOutput | None = None  # num_cached_tokens: the replica's, set by the head
     computed_at: float = 0.0  # time.monotonic() when its last chunk was computed
     writes: tuple[tuple[float, float, int], ...] = ()  # its KV writes: (started, finished, bytes)
 

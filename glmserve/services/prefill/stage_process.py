@@ -8,7 +8,7 @@ weights and holds only their KV. Stage 0, the head, serves ``glmserve.prefill.v1
 decode workers (`StagedPrefill`) under ``--worker-id``; every stage serves
 ``glmserve.prefill.v1.Stage``. Block events go to the kvstore index under the stage's own holder
 id (`stage_worker_id`), so the index counts a block held by the replica once every stage holds it;
-with ``--kvstore`` each stage also uses the host tier for its slice of every block (`HostLink`).
+with ``--kvstore`` each stage also uses the host tier for its slice of every block (`HostTierLink`).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from glmserve.kv.block_index import stage_worker_id
+from glmserve.kv.transfer import make_backend
 from glmserve.model.config import GlmConfig
 from glmserve.model.layer_split import LayerSplitPlan, parse_layer_split, plan_layer_split
 from glmserve.proto_gen.glmserve.prefill.v1 import prefill_pb2_grpc, stage_pb2_grpc
@@ -30,7 +31,7 @@ from glmserve.services.prefill.stage_job import StageSettings
 from glmserve.services.prefill.stage_servicer import StageServicer
 from glmserve.services.prefill.stage_worker import StageWorker
 from glmserve.services.worker_metrics import WorkerMetrics
-from glmserve.services.worker_server import build_backend, serve_worker, start_block_events
+from glmserve.services.worker_server import serve_worker, start_block_events
 
 if TYPE_CHECKING:
     from glmserve.services.prefill.main import PrefillConfig
@@ -54,7 +55,7 @@ async def serve_stage(config: PrefillConfig) -> int:
     settings = StageSettings(plan, index, chunk_tokens=config.chunk_tokens, stream_min_tokens=config.stream_min_tokens)
     holder = stage_worker_id(config.worker_id, index, len(addresses))  # this stage in the index and the host tier
     publisher = start_block_events(config.kvstore, holder)
-    host = config.host_settings()
+    host = config.host_tier_settings()
 
     def engine():
         from glmserve.engine.stage_engine import StageEngine  # torch: imported on the engine thread
@@ -62,11 +63,11 @@ async def serve_stage(config: PrefillConfig) -> int:
         options = {**config.engine_config(), "max_step_tokens": config.chunk_tokens}
         stage = StageEngine.from_model_dir(config.model, settings.layers, revision=config.revision, **options)
         if publisher is not None:
-            stage.pool.add_listener(publisher)
+            stage.add_block_listener(publisher)
         return stage
 
-    kv = build_backend(config.transfer, config.host, config.transfer_timeout_s)
-    activations = build_backend(kv.kind, config.host, config.transfer_timeout_s)
+    kv = make_backend(config.transfer, host=config.host, timeout_s=config.transfer_timeout_s)
+    activations = make_backend(kv.kind, host=config.host, timeout_s=config.transfer_timeout_s)
     following = GrpcStage(addresses[index + 1], index + 1) if not settings.is_last else None
     worker = StageWorker(engine, kv, activations, settings, following,
                          host=dataclasses.replace(host, worker_id=holder) if host is not None else None)

@@ -21,6 +21,7 @@ from glmserve.proto_gen.glmserve.prefill.v1 import stage_pb2_grpc as pb_grpc
 from glmserve.services.generation_proto import sampling_from_proto as from_proto
 from glmserve.services.prefill.stage_job import StageJobSpec
 from glmserve.services.prefill.stage_worker import StageWorker
+from glmserve.services.prefill_proto import reply_to_proto
 
 T = TypeVar("T")
 
@@ -75,10 +76,7 @@ class StageServicer(pb_grpc.StageServicer):
                                            write_finished=[w[1] for w in outcome.writes],
                                            write_bytes=[w[2] for w in outcome.writes])
         if outcome.handoff is not None:
-            h = outcome.handoff
-            reply.has_first_token, reply.first_token, reply.mtp_hidden = True, h.first_token, h.mtp_hidden
-            if h.first_logprob is not None:
-                reply.first_logprob = h.first_logprob
+            reply.first.CopyFrom(reply_to_proto(outcome.handoff, b""))
         return reply
 
     async def Slot(self, request: stage_pb2.StageSlotRequest,

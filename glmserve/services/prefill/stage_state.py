@@ -1,19 +1,14 @@
-"""What a LayerSplit stage tracks about one job while it runs (`StageJobState`), and the stage
-engine's counters as an `EngineSnapshot` (Health, metrics)."""
+"""What a LayerSplit stage tracks about one job while it runs (`StageJobState`)."""
 
 from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-from glmserve.engine.stage_engine import ChunkOutput, PrefillHandoff
+from glmserve.engine.handoff import PrefillOutput
+from glmserve.engine.stage_engine import ChunkOutput
 from glmserve.kv.transfer import TransferHandle
-from glmserve.services.engine_thread import EngineSnapshot
 from glmserve.services.prefill.stage_job import StageJobSpec, StageOutcome
-
-if TYPE_CHECKING:
-    from glmserve.engine.stage_engine import StageEngine
 
 
 @dataclass(eq=False)
@@ -28,7 +23,7 @@ class StageJobState:
     handles: list[TransferHandle] = field(default_factory=list)  # every write: KV and chunk outputs
     kv_handles: list[TransferHandle] = field(default_factory=list)  # its KV writes to the decode worker
     computed_at: float = 0.0
-    handoff: PrefillHandoff | None = None
+    handoff: PrefillOutput | None = None
     stopped: str | None = None  # why the job stopped early (abort, failure): queued chunks are skipped
     ending: bool = False  # no write starts any more
     loading: bool = False  # a host-tier load-back into its blocks is running
@@ -45,9 +40,3 @@ def output_future(job: StageJobState, chunk: int) -> asyncio.Future[tuple[int, C
         job.outputs[chunk] = asyncio.get_running_loop().create_future()
     return job.outputs[chunk]
 
-
-def stage_snapshot(engine: StageEngine) -> EngineSnapshot:
-    pool = engine.pool
-    return EngineSnapshot(loaded=True, running=len(engine.jobs), free_blocks=pool.num_free, used_blocks=pool.num_used,
-                          total_blocks=pool.num_blocks, block_size=engine.config.block_size,
-                          cache_root=engine.kv.root_hash or b"")

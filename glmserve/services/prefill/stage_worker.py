@@ -37,14 +37,14 @@ from glmserve.kv.transfer import (
     TransferHandle,
     TransferStamp,
 )
-from glmserve.services.engine_thread import EngineThread
-from glmserve.services.host_link import HostLink, HostSettings, LoadAborted, Loaded
+from glmserve.services.engine_host import EngineHost
+from glmserve.services.host_tier_link import HostTierLink, HostTierSettings, LoadAborted, Loaded
 from glmserve.services.prefill.activations import ActivationShape, ActivationSlots
 from glmserve.services.prefill.chunk_link import ChunkReceiver, ChunkSender
 from glmserve.services.prefill.history import PrefillHistory
 from glmserve.services.prefill.job import AbortOutcome
 from glmserve.services.prefill.stage_job import NextStage, StageJobSpec, StageOutcome, StageSettings
-from glmserve.services.prefill.stage_state import StageJobState, output_future, stage_snapshot
+from glmserve.services.prefill.stage_state import StageJobState, output_future
 from glmserve.services.prefill.write_control import request_cancel, wait_final
 
 if TYPE_CHECKING:
@@ -60,9 +60,9 @@ LINGER_S = 60.0  # an ended job nobody asked about is forgotten after this
 class StageWorker:
     def __init__(self, engine_factory: Callable[[], StageEngine], kv_backend: KVTransferBackend,
                  activation_backend: KVTransferBackend, settings: StageSettings,
-                 next_stage: NextStage | None, host: HostSettings | None = None) -> None:
+                 next_stage: NextStage | None, host: HostTierSettings | None = None) -> None:
         """``host``: this stage's slices of the kvstore's host tier (load-back, write-through)."""
-        self._engine = EngineThread(engine_factory, name=f"stage-{settings.index}-engine", snapshot_of=stage_snapshot)
+        self._engine = EngineHost(engine_factory, name=f"stage-{settings.index}-engine")
         self._kv, self._act = kv_backend, activation_backend
         self.settings, self._next = settings, next_stage
         self._jobs: dict[tuple[str, int], StageJobState] = {}
@@ -72,14 +72,14 @@ class StageWorker:
         self._sender: ChunkSender | None = None
         self._receiver: ChunkReceiver | None = None
         part = (settings.index, settings.num_stages) if settings.num_stages > 1 else None
-        self._host = HostLink(host, kv_backend, self._engine, None, part=part) if host is not None else None
+        self._host = HostTierLink(host, kv_backend, self._engine, None, part=part) if host is not None else None
         self._window: BlockWindow | None = None
         self._buffer: torch.Tensor | None = None
         self.activation_target = b""
         self._closing = False
 
     @property
-    def engine(self) -> EngineThread:
+    def engine(self) -> EngineHost:
         return self._engine
 
     async def start(self) -> None:
@@ -87,13 +87,9 @@ class StageWorker:
         self._engine.start()
         await self._engine.loaded()
 
-        def setup(e: StageEngine) -> tuple[object, ...]:
-            c = e.model.config
-            shape = ActivationShape(self.settings.chunk_tokens, c.hidden_size, e.model.dtype, c.index_topk)
-            window = BlockWindow(0, e.block_offset, e.layout.bytes_per_block)
-            return e.cache.buffer, shape, window, e.whole_block_bytes
-
-        self._buffer, shape, self._window, whole = await self._engine.submit(setup)
+        self._buffer, g = await self._engine.submit(lambda e: (e.kv_buffer, e.geometry()))
+        shape = ActivationShape(self.settings.chunk_tokens, g.hidden_size, g.dtype, g.index_topk)
+        self._window, whole = BlockWindow(0, g.block_offset, g.block_bytes), g.whole_block_bytes
         self._kv.register(self._buffer)
         if self._host is not None:  # our rows: a slice of the host tier's whole-model blocks
             sliced = whole != self._window.length

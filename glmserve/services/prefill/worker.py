@@ -5,11 +5,11 @@ One job per (request id, generation), each its own asyncio task (a caller that g
 the job, it never cuts it short):
 
 1. connect to the decode worker's transfer target (cached by the backend);
-2. load (with a host tier, `HostLink`): prompt blocks found only on the kvstore's host tier are
+2. load (with a host tier, `HostTierLink`): prompt blocks found only on the kvstore's host tier are
    loaded into this worker's blocks, so the engine finds them as prefix-cache hits;
-   compute: ``engine.add_request(..., max_tokens=1, hold_blocks=True)``; the engine thread's
-   step hook sees the request finish and posts its held blocks, first token and MTP seed;
-3. transfer: one ``backend.write`` of the prompt's blocks into ``dest_block_ids`` with the stamp
+   compute: ``engine.add_request(..., max_tokens=1, hold_blocks=True)``; the request's stream
+   ends with what the engine kept (`HeldPrefill`: the blocks, the first token, the MTP seed);
+3. transfer: one ``transfer.write`` of the prompt's blocks into ``dest_block_ids`` with the stamp
    (request id, generation, checksum when asked), awaited until final;
 4. release the source blocks (to the prefix cache) once the write is final, record the outcome
    in `PrefillHistory`, and answer with the first token, the MTP seed and the stamp.
@@ -33,9 +33,9 @@ from typing import TYPE_CHECKING
 
 from glmserve.core.generation import TokenEvent
 from glmserve.kv.transfer import KVTransferBackend, TransferError, TransferHandle, TransferStamp
-from glmserve.services.engine_thread import EngineThread
-from glmserve.services.host_link import HostLink, HostSettings, LoadAborted, Loaded
+from glmserve.services.engine_host import EngineHost
 from glmserve.services.host_metrics import HostTierMetrics
+from glmserve.services.host_tier_link import HostTierLink, HostTierSettings, LoadAborted, Loaded
 from glmserve.services.prefill.history import DEFAULT_TTL_S, PrefillHistory
 from glmserve.services.prefill.job import (
     AbortOutcome,
@@ -54,29 +54,15 @@ if TYPE_CHECKING:
     import torch
 
     from glmserve.engine.engine import Engine
-    from glmserve.engine.request import Request
+    from glmserve.engine.handoff import HeldPrefill
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class _Held:
-    """A finished prefill, read on the engine thread (copies: the engine keeps mutating)."""
-
-    block_ids: list[int]
-    first_token: int
-    first_logprob: float | None
-    mtp_hidden: bytes
-    num_cached: int
-    queue_s: float | None = None  # arrival at the engine to first scheduled
-    compute_s: float | None = None  # first scheduled to the first token (the prompt's KV computed)
 
 
 @dataclass(eq=False)
 class _Job:
     spec: PrefillJob
     key: str  # the engine's request id: one per generation
-    held: asyncio.Future[_Held]
     stage: str = "connect"  # connect | load | compute | transfer
     abort_reason: str | None = None
     handle: TransferHandle | None = None
@@ -88,18 +74,18 @@ class PrefillWorker:
     def __init__(
         self,
         engine_factory: Callable[[], Engine],
-        backend: KVTransferBackend,
-        metrics: Callable[[EngineThread], WorkerMetrics] | None = None,
+        transfer: KVTransferBackend,
+        metrics: Callable[[EngineHost], WorkerMetrics] | None = None,
         history_ttl_s: float = DEFAULT_TTL_S,
-        host: HostSettings | None = None,
+        host_tier: HostTierSettings | None = None,
     ) -> None:
         """``metrics``: builds the worker's metrics from its engine thread (for snapshot gauges).
-        ``host``: use the kvstore's host tier (load-back before prefill, write-through, demotion)."""
-        self._engine = EngineThread(engine_factory, self._on_step, self._on_step_error, "prefill-engine")
+        ``host_tier``: use the kvstore's host tier (load-back before prefill, write-through, demotion)."""
+        self._engine = EngineHost(engine_factory, "prefill-engine")
         self.metrics = metrics(self._engine) if metrics is not None else None
         self.host_metrics = HostTierMetrics(self.metrics.registry) if self.metrics is not None else None
-        self._host = HostLink(host, backend, self._engine, self.host_metrics) if host is not None else None
-        self._backend = backend
+        self._host_tier = HostTierLink(host_tier, transfer, self._engine, self.host_metrics) if host_tier else None
+        self._transfer = transfer
         self._history = PrefillHistory(history_ttl_s)
         self._jobs: dict[tuple[str, int], _Job] = {}
         self._by_key: dict[str, _Job] = {}
@@ -108,17 +94,17 @@ class PrefillWorker:
         self._closing = False
 
     @property
-    def engine(self) -> EngineThread:
+    def engine(self) -> EngineHost:
         return self._engine
 
     async def start(self) -> None:
         """Load the engine and register its KV buffer with the transfer backend."""
         self._engine.start()
         await self._engine.loaded()
-        self._buffer = await self._engine.submit(lambda e: e.cache.buffer)
-        self._backend.register(self._buffer)
-        if self._host is not None:
-            await self._host.start(self._buffer)
+        self._buffer = await self._engine.submit(lambda e: e.kv_buffer)
+        self._transfer.register(self._buffer)
+        if self._host_tier is not None:
+            await self._host_tier.start(self._buffer)
 
     def health(self) -> WorkerHealth:
         s = self._engine.snapshot
@@ -142,7 +128,7 @@ class PrefillWorker:
             raise PrefillAborted(f"request {spec.request_id!r} generation {spec.generation} was "
                                  "already aborted, finished or superseded", drained=True)
         key = f"{spec.request_id}@{spec.generation}"
-        job = _Job(spec, key, asyncio.get_running_loop().create_future())
+        job = _Job(spec, key)
         self._jobs[ident], self._by_key[key] = job, job
         if self.metrics is not None:
             self.metrics.prompt_tokens.inc(len(spec.prompt_ids))
@@ -157,13 +143,13 @@ class PrefillWorker:
     def _validate(self, spec: PrefillJob) -> None:
         if self._closing:
             raise PrefillFailed("the prefill worker is shutting down", drained=True)
-        check_job(spec, self._backend.kind, self._engine.snapshot.block_size)
+        check_job(spec, self._transfer.kind, self._engine.snapshot.block_size)
 
     async def _run(self, job: _Job) -> PrefillResult:
         spec, drained = job.spec, True
         try:
             try:
-                peer = await asyncio.to_thread(self._backend.connect, spec.decode_target)
+                peer = await asyncio.to_thread(self._transfer.connect, spec.decode_target)
             except (TransferError, ValueError, OSError) as e:
                 raise PrefillFailed(f"cannot connect to the decode worker's KV buffer: {e}", drained=True) from e
             self._raise_if_aborted(job)
@@ -178,18 +164,18 @@ class PrefillWorker:
                                                cache_salt=salt)
                 return add_it() if loaded is None else loaded.apply(e, add_it)
 
-            await self._engine.submit(add)
-            held = await job.held
+            held = await self._compute(job, add)
             if self.metrics is not None and held.queue_s is not None:
                 self.metrics.queue_time.observe(held.queue_s)
                 self.metrics.prefill_time.observe(held.compute_s)
             if self.host_metrics is not None:
                 host_blocks = 0 if loaded is None else loaded.host_blocks
-                self.host_metrics.count_hits(held.num_cached, host_blocks * self._engine.snapshot.block_size)
+                self.host_metrics.count_hits(held.output.num_cached_tokens,
+                                             host_blocks * self._engine.snapshot.block_size)
             try:
                 self._raise_if_aborted(job)
                 job.stage = "transfer"
-                return await self._transfer(job, peer, held)
+                return await self._send_kv(job, peer, held)
             finally:
                 drained = job.handle is None or job.handle.drained
                 self._engine.submit_nowait(lambda e: e.release(job.key))  # the write is final here
@@ -201,7 +187,24 @@ class PrefillWorker:
             self._history.record(spec.request_id, spec.generation, drained)
             del self._jobs[(spec.request_id, spec.generation)], self._by_key[job.key]
 
-    async def _transfer(self, job: _Job, peer: str, held: _Held) -> PrefillResult:
+    async def _compute(self, job: _Job, add: Callable[[Engine], object]) -> HeldPrefill:
+        """Run the prompt on the engine; what it kept once it finished (its blocks stay held
+        until released). Raises `PrefillAborted` / `PrefillFailed` (drained: nothing was sent)."""
+        stream = self._engine.open(job.key, on_finish=_held_prefill)
+        try:
+            await self._engine.submit(add)
+        except BaseException:
+            stream.close()
+            raise
+        async for event in stream:
+            final = event
+        if final.finish_reason == "abort" or job.abort_reason is not None:
+            raise PrefillAborted(f"aborted ({job.abort_reason or final.error})", drained=True)
+        if stream.outcome is None:
+            raise PrefillFailed(final.error or "the engine kept no prefill", drained=True)
+        return stream.outcome
+
+    async def _send_kv(self, job: _Job, peer: str, held: HeldPrefill) -> PrefillResult:
         spec = job.spec
         src, dst = held.block_ids[: len(spec.dest_block_ids)], list(spec.dest_block_ids)
         stamp = TransferStamp(spec.request_id, spec.generation)
@@ -209,7 +212,7 @@ class PrefillWorker:
             stamp = await asyncio.to_thread(stamp.with_checksum, self._buffer, src)
             self._raise_if_aborted(job)
         try:
-            job.handle = handle = self._backend.write(peer, stamp, src, dst)
+            job.handle = handle = self._transfer.write(peer, stamp, src, dst)
         except TransferError as e:  # the write did not start: nothing was sent
             raise PrefillFailed(f"KV transfer could not start: {e}", drained=True) from e
         await wait_final(handle)
@@ -219,7 +222,7 @@ class PrefillWorker:
                 m.transfer_bytes.inc(handle.num_bytes)
                 m.transfer_seconds.observe((handle.finished_at or handle.started) - handle.started)
             self._raise_if_aborted(job)  # done before the cancel landed: drained, but unwanted
-            return PrefillResult(held.first_token, held.first_logprob, held.mtp_hidden, stamp, held.num_cached)
+            return PrefillResult(held.output, stamp)
         if job.abort_reason is not None:
             raise PrefillAborted(f"aborted during transfer ({job.abort_reason})", drained=handle.drained)
         if m is not None:
@@ -230,17 +233,17 @@ class PrefillWorker:
         """Load-back of the prompt's host-only blocks; None when there is none (or it failed: the
         prompt is then computed). Raises `PrefillAborted` when the job was aborted meanwhile, with
         everything the load held given back."""
-        if self._host is None or not self._host.ready:
+        if self._host_tier is None or not self._host_tier.ready:
             return None
         job.stage = "load"
         try:
-            loaded = await self._host.load(job.key, job.spec.generation, job.spec.prompt_ids,
+            loaded = await self._host_tier.load(job.key, job.spec.generation, job.spec.prompt_ids,
                                            salt=job.spec.cache_salt or None)
         except LoadAborted as e:
             log.info("%s: no host blocks: %s", job.key, e)
             loaded = None
         if loaded is not None and job.abort_reason is not None:
-            self._host.release(job.key)  # the load finished (drained) before the abort reached it
+            self._host_tier.release(job.key)  # the load finished (drained) before the abort reached it
         self._raise_if_aborted(job)
         return loaded
 
@@ -263,20 +266,18 @@ class PrefillWorker:
             if self.metrics is not None:
                 self.metrics.abort(job.stage, label)
             if job.handle is not None:
-                request_cancel(self._backend, job.handle)
-            elif job.stage == "load" and self._host is not None:
+                request_cancel(self._transfer, job.handle)
+            elif job.stage == "load" and self._host_tier is not None:
                 self._cancel_load_in_background(job)
             elif job.stage == "compute":
-                self._engine.submit_nowait(lambda e: e.abort(job.key))  # frees the blocks when it runs
-                if not job.held.done():
-                    job.held.set_exception(PrefillAborted(f"aborted ({reason})", drained=True))
+                self._engine.abort(job.key, reason)  # frees the blocks when it runs; ends the stream
         assert job.task is not None
         await asyncio.wait([job.task])
         return AbortOutcome(found=True, drained=job.drained)
 
     def _cancel_load_in_background(self, job: _Job) -> None:
-        assert self._host is not None
-        task = asyncio.create_task(self._host.cancel(job.key, job.spec.generation))
+        assert self._host_tier is not None
+        task = asyncio.create_task(self._host_tier.cancel(job.key, job.spec.generation))
         self._background.add(task)  # a reference, so the task is not collected mid-way
         task.add_done_callback(self._background.discard)
 
@@ -286,52 +287,16 @@ class PrefillWorker:
         task.add_done_callback(self._background.discard)
 
     async def close(self) -> None:
-        """Abort every job (drained or failed), then stop the engine and the backend."""
+        """Abort every job (drained or failed), then stop the engine and the transfer backend."""
         self._closing = True
         await asyncio.gather(*(self.abort(r, g, "shutdown", "shutdown") for r, g in list(self._jobs)))
-        if self._host is not None:
-            await self._host.close()
+        if self._host_tier is not None:
+            await self._host_tier.close()
         await self._engine.stop()
-        self._backend.close()
-
-    # --- engine thread hooks ----------------------------------------------------------------------
-
-    def _on_step(self, engine: Engine, events: list[TokenEvent]) -> None:
-        for out in events:
-            req = engine.held.get(out.request_id) if out.finished else None
-            if req is None:
-                continue
-            held = _Held(
-                block_ids=list(req.block_ids),
-                first_token=req.output_ids[0],
-                first_logprob=req.output_logprobs[0] if req.output_logprobs else None,
-                mtp_hidden=req.last_hidden.detach().float().contiguous().numpy().tobytes(),
-                num_cached=req.num_cached_prompt,
-                **_phases(req),
-            )
-            self._engine.post(self._held, out.request_id, held)
-
-    def _on_step_error(self, engine: Engine, error: BaseException) -> None:
-        failed = list(engine.requests)
-        for key in failed:
-            engine.abort(key)
-        self._engine.post(self._failed, failed, f"engine step failed: {error!r}")
-
-    def _held(self, key: str, held: _Held) -> None:
-        job = self._by_key.get(key)
-        if job is None:  # the job is gone (it raised): its blocks must not stay held
-            self._engine.submit_nowait(lambda e: e.release(key))
-        elif not job.held.done():
-            job.held.set_result(held)
-
-    def _failed(self, keys: list[str], message: str) -> None:
-        for key in keys:
-            job = self._by_key.get(key)
-            if job is not None and not job.held.done():
-                job.held.set_exception(PrefillFailed(message, drained=True))
+        self._transfer.close()
 
 
-def _phases(req: Request) -> dict[str, float]:
-    if req.scheduled_time is None or req.first_token_time is None:
-        return {}
-    return {"queue_s": req.scheduled_time - req.arrival, "compute_s": req.first_token_time - req.scheduled_time}
+def _held_prefill(engine: Engine, final: TokenEvent) -> HeldPrefill | None:
+    """On the engine thread, right after the request finished: what it kept."""
+    return engine.held_prefill(final.request_id) if final.finish_reason in ("stop", "length") else None
+

@@ -1,9 +1,9 @@
-"""The router's HTTP surface: a thin FastAPI adapter over `openai_protocol` (parsing, shapes),
-`serving` (running a request) and a `GenerationBackend`.
+"""The router's HTTP surface: FastAPI routes as thin adapters over the transport-free serving layer
+(`serving.OpenAIServing`), and the app around them (lifespan, API keys, probes, metrics, errors).
 
-Order of checks on the generation routes: API key (401), JSON (400), model (404), fields (400),
-backend readiness (503), chat template and tokenization off the event loop (400 on a bad chat),
-context length (400); only then does the backend see the request.
+A generation route: API key (401), then the body parsed into its pydantic model (400 naming the
+field; off the event loop when large), then the serving layer answers (`serving`'s docstring has the
+order of its checks). ``/openapi.json`` documents the request bodies (`openai_requests`).
 """
 
 from __future__ import annotations
@@ -12,31 +12,35 @@ import asyncio
 import hmac
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from glmserve.services.router import openai_protocol as proto
-from glmserve.services.router import openai_responses as resp
-from glmserve.services.router import serving
-from glmserve.services.router.backend import GenerationBackend, RequestHints
+from glmserve.services.router import completion_bodies as bodies
+from glmserve.services.router.backend import GenerationBackend
 from glmserve.services.router.errors import (
     APIError,
-    from_value_error,
     internal_error,
     method_not_allowed,
     not_found,
-    service_unavailable,
     unauthorized,
 )
 from glmserve.services.router.metrics import RouterMetrics
-from glmserve.services.router.output_processor import OutputProcessor
+from glmserve.services.router.openai_requests import (
+    Body,
+    ChatCompletionRequest,
+    CompletionRequest,
+    parse_body,
+)
 from glmserve.services.router.request_hints import request_hints
+from glmserve.services.router.request_run import RequestContext
+from glmserve.services.router.serving import Answer, OpenAIServing
 from glmserve.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -44,6 +48,10 @@ log = logging.getLogger(__name__)
 # Bodies above this are parsed in a worker thread: a 100K-token prompt is ~0.5 MB of JSON.
 _PARSE_OFF_LOOP_BYTES = 64 * 1024
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+BODIES: dict[str, type[BaseModel]] = {
+    "/v1/chat/completions": ChatCompletionRequest,
+    "/v1/completions": CompletionRequest,
+}
 
 
 def create_app(
@@ -58,14 +66,11 @@ def create_app(
 
     ``max_context``: the model's `max_position_embeddings` (prompt + max_tokens must fit).
     ``api_keys``: when non-empty, `/v1/*` needs `Authorization: Bearer <one of them>`; `/health`,
-    `/ready` and `/metrics` stay open (probes and scrapers carry no keys).
+    `/ready`, `/metrics` and `/openapi.json` stay open (probes and scrapers carry no keys).
     The backend is started and closed by the app's lifespan.
     """
-    if max_context < 2:
-        raise ValueError(f"max_context: must be >= 2, got {max_context}")
-    keys = tuple(k.encode() for k in api_keys or ())
     metrics = RouterMetrics(model_name)
-    created = int(time.time())
+    serving = OpenAIServing(backend, tokenizer, model_name, max_context, metrics)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -77,122 +82,86 @@ def create_app(
         finally:
             await backend.close()
 
-    app = FastAPI(title="glmserve router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.metrics = metrics
-    app.state.backend = backend
+    app = FastAPI(title="glmserve router", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.metrics, app.state.backend, app.state.serving = metrics, backend, serving
+    authorize = _authorizer(api_keys or ())
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
+    async def chat_completions(request: Request) -> Response:
+        arrival = time.monotonic()
+        body = await _parse(request, ChatCompletionRequest)
+        return _respond(await serving.chat(body, _context(request, body, arrival, bool(api_keys))))
+
+    @app.post("/v1/completions", dependencies=[Depends(authorize)])
+    async def completions(request: Request) -> Response:
+        arrival = time.monotonic()
+        body = await _parse(request, CompletionRequest)
+        return _respond(await serving.completion(body, _context(request, body, arrival, bool(api_keys))))
+
+    @app.get("/v1/models", dependencies=[Depends(authorize)])
+    async def models() -> dict[str, Any]:
+        return serving.models()
+
+    _add_probes(app, backend, metrics)
+    _install_error_handlers(app, metrics)
+    app.openapi = lambda: _openapi_with_bodies(app)  # type: ignore[method-assign]
+    return app
+
+
+# --- the adapter: HTTP in, serving layer, HTTP out ---------------------------------------------------
+
+
+async def _parse(request: Request, model: type[Body]) -> Body:
+    raw = await request.body()
+    if len(raw) > _PARSE_OFF_LOOP_BYTES:
+        return await asyncio.to_thread(parse_body, model, raw)
+    return parse_body(model, raw)
+
+
+def _context(request: Request, body: Any, arrival: float, keyed: bool) -> RequestContext:
+    # Keys configured: the authorizer already checked this one, so it names the tenant.
+    token = request.headers.get("authorization", "").partition(" ")[2].strip() if keyed else None
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    hints = request_hints(request.headers, body.user, token)
+    return RequestContext(arrival, request.url.path, hints, disconnected)
+
+
+def _respond(answer: Answer) -> Response:
+    if answer.chunks is not None:
+        return StreamingResponse(_sse(answer), media_type="text/event-stream", headers=_SSE_HEADERS)
+    if answer.body is None:
+        return Response(status_code=answer.status)  # 499: the client is gone; nobody reads this
+    return JSONResponse(answer.body, status_code=answer.status, headers=answer.headers)
+
+
+async def _sse(answer: Answer) -> AsyncIterator[str]:
+    """Each chunk as one SSE event, then ``[DONE]`` (unless the client already left)."""
+    assert answer.chunks is not None and answer.run is not None
+    async for chunk in answer.chunks:
+        yield bodies.sse(chunk)
+    if not answer.run.disconnected:
+        yield bodies.SSE_DONE
+
+
+def _authorizer(api_keys: Sequence[str]) -> Callable[[Request], None]:
+    keys = tuple(k.encode() for k in api_keys)
 
     def authorize(request: Request) -> None:
         if not keys:
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
         # compare_digest against every key: the time taken does not reveal which prefix matched.
-        if scheme.lower() != "bearer" or not any(
-            hmac.compare_digest(token.strip().encode(), k) for k in keys
-        ):
+        if scheme.lower() != "bearer" or not any(hmac.compare_digest(token.strip().encode(), k) for k in keys):
             raise unauthorized()
 
-    async def body_of(request: Request) -> dict[str, Any]:
-        raw = await request.body()
-        if len(raw) > _PARSE_OFF_LOOP_BYTES:
-            return await asyncio.to_thread(proto.parse_json_body, raw)
-        return proto.parse_json_body(raw)
+    return authorize
 
-    def admit() -> None:
-        if not backend.ready():
-            metrics.rejected("no_worker")
-            raise service_unavailable()
 
-    def hints_of(request: Request, body: dict[str, Any]) -> RequestHints:
-        # Keys configured: authorize() already checked this one, so it names the tenant.
-        token = request.headers.get("authorization", "").partition(" ")[2].strip() if keys else None
-        return request_hints(request.headers, body, token)
-
-    async def run(
-        request: Request,
-        arrival: float,
-        rid: str,
-        prompt_ids: list[int],
-        options: proto.GenerationOptions,
-        param: str,
-        tools: list[dict[str, Any]] | None,
-        hints: RequestHints,
-        whole: Callable[[serving.Generation, serving.Collected], dict[str, Any]],
-        streamed: Callable[[serving.Generation, OutputProcessor], AsyncIterator[str]],
-    ) -> Response:
-        params = options.sampling_params(len(prompt_ids), max_context, param)
-        gen = serving.Generation(backend, metrics, rid, prompt_ids, params, request.receive, arrival, hints,
-                                 request.url.path)
-        processor = OutputProcessor(tokenizer, params, keep_tool_markup=tools is not None)
-        if options.stream:
-            return StreamingResponse(
-                streamed(gen, processor), media_type="text/event-stream", headers=_SSE_HEADERS
-            )
-        try:
-            collected = await serving.collect(gen, processor)
-        except APIError as err:  # counted by the tracker already
-            return JSONResponse(err.to_dict(), status_code=err.status, headers=err.headers)
-        if collected.finish_reason is None:
-            return Response(status_code=499)  # the client is gone; nobody reads this
-        return JSONResponse(whole(gen, collected))
-
-    @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
-    async def chat_completions(request: Request) -> Response:
-        arrival = time.monotonic()
-        body = await body_of(request)
-        req = proto.parse_chat_request(body)
-        proto.check_model(req.options, model_name)
-        hints = hints_of(request, body)
-        admit()
-        try:
-            prompt_ids = await asyncio.to_thread(tokenizer.apply_chat_template, req.messages, req.tools)
-        except ValueError as e:
-            raise from_value_error(e, "messages") from e
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
-        return await run(
-            request,
-            arrival,
-            rid,
-            prompt_ids,
-            req.options,
-            "messages",
-            req.tools,
-            hints,
-            lambda g, c: serving.chat_response(g, c, req.tools, rid, created, model_name),
-            lambda g, p: serving.chat_stream(
-                g, p, req.tools, req.options.include_usage, rid, created, model_name
-            ),
-        )
-
-    @app.post("/v1/completions", dependencies=[Depends(authorize)])
-    async def completions(request: Request) -> Response:
-        arrival = time.monotonic()
-        body = await body_of(request)
-        req = proto.parse_completion_request(body, tokenizer.vocab_size)
-        proto.check_model(req.options, model_name)
-        hints = hints_of(request, body)
-        admit()
-        prompt = req.prompt
-        prompt_ids = await asyncio.to_thread(tokenizer.encode, prompt) if isinstance(prompt, str) else prompt
-        if not prompt_ids:
-            raise from_value_error(ValueError("prompt: the prompt has no tokens"))
-        rid = f"cmpl-{uuid.uuid4().hex}"
-        return await run(
-            request,
-            arrival,
-            rid,
-            prompt_ids,
-            req.options,
-            "prompt",
-            None,
-            hints,
-            lambda g, c: serving.completion_response(g, c, rid, created, model_name),
-            lambda g, p: serving.completion_stream(g, p, req.options.include_usage, rid, created, model_name),
-        )
-
-    @app.get("/v1/models", dependencies=[Depends(authorize)])
-    async def models() -> dict[str, Any]:
-        return resp.model_list(model_name, created, max_context)
-
+def _add_probes(app: FastAPI, backend: GenerationBackend, metrics: RouterMetrics) -> None:
     @app.get("/health")
     async def health() -> dict[str, str]:
         return {"status": "ok"}
@@ -210,8 +179,23 @@ def create_app(
         body, content_type = metrics.render(*([extra] if extra is not None else []))
         return Response(body, media_type=content_type)
 
-    _install_error_handlers(app, metrics)
-    return app
+
+def _openapi_with_bodies(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's schema, with each generation route's request body (the routes read the raw body
+    themselves, to parse large ones off the event loop)."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version="1", routes=app.routes)
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for path, model in BODIES.items():
+            body_schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            components.update(body_schema.pop("$defs", {}))
+            components[model.__name__] = body_schema
+            ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+            schema["paths"][path]["post"]["requestBody"] = {
+                "required": True, "content": {"application/json": {"schema": ref}},
+            }
+        app.openapi_schema = schema
+    return app.openapi_schema
 
 
 def _install_error_handlers(app: FastAPI, metrics: RouterMetrics) -> None:

@@ -30,9 +30,10 @@ def _checked(value: Any, param: str) -> str | None:
     return value
 
 
-def request_hints(headers: Mapping[str, str], body: Mapping[str, Any], api_key: str | None) -> RequestHints:
-    """``api_key``: the caller's key when the router requires keys (else None). 400 on bad values."""
-    session = _checked(headers.get("x-session-id"), "x-session-id") or _checked(body.get("user"), "user")
+def request_hints(headers: Mapping[str, str], user: str | None, api_key: str | None) -> RequestHints:
+    """``user``: the body's ``user`` field; ``api_key``: the caller's key when the router requires
+    keys (else None). 400 on bad values."""
+    session = _checked(headers.get("x-session-id"), "x-session-id") or _checked(user, "user")
     header_salt = _checked(headers.get("x-cache-salt"), "x-cache-salt")
     salt = header_salt
     if api_key is not None:

@@ -27,7 +27,7 @@ from glmserve.proto_gen.glmserve.common.v1 import generation_pb2 as glmserve_dot
 from glmserve.proto_gen.glmserve.prefill.v1 import prefill_pb2 as glmserve_dot_prefill_dot_v1_dot_prefill__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fglmserve/prefill/v1/stage.proto\x12\x13glmserve.prefill.v1\x1a#glmserve/common/v1/generation.proto\x1a!glmserve/prefill/v1/prefill.proto\"\xd5\x01\n\x08StageJob\x12\x30\n\x08transfer\x18\x01 \x01(\x0b\x32\x1e.glmserve.common.v1.TransferId\x12\x12\n\nprompt_ids\x18\x02 \x03(\r\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.glmserve.common.v1.Sampling\x12\x15\n\rdecode_target\x18\x04 \x01(\x0c\x12\x16\n\x0e\x64\x65st_block_ids\x18\x05 \x03(\r\x12\x10\n\x08\x63hecksum\x18\x06 \x01(\x08\x12\x12\n\ncache_salt\x18\x07 \x01(\t\",\n\x0fStageBeginReply\x12\x19\n\x11num_cached_tokens\x18\x01 \x01(\r\"\x7f\n\nStageAdmit\x12\x30\n\x08transfer\x18\x01 \x01(\x0b\x32\x1e.glmserve.common.v1.TransferId\x12\x19\n\x11num_cached_tokens\x18\x02 \x01(\r\x12\x14\n\x0c\x63hunk_tokens\x18\x03 \x01(\r\x12\x0e\n\x06stream\x18\x04 \x01(\x08\"\x11\n\x0fStageAdmitReply\"?\n\x0bStageJobRef\x12\x30\n\x08transfer\x18\x01 \x01(\x0b\x32\x1e.glmserve.common.v1.TransferId\"\x87\x02\n\x10StageFinishReply\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\x0f\n\x07\x64rained\x18\x03 \x01(\x08\x12\x17\n\x0fhas_first_token\x18\x04 \x01(\x08\x12\x13\n\x0b\x66irst_token\x18\x05 \x01(\r\x12\x1a\n\rfirst_logprob\x18\x06 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\nmtp_hidden\x18\x07 \x01(\x0c\x12\x13\n\x0b\x63omputed_at\x18\x08 \x01(\x01\x12\x15\n\rwrite_started\x18\t \x03(\x01\x12\x16\n\x0ewrite_finished\x18\n \x03(\x01\x12\x13\n\x0bwrite_bytes\x18\x0b \x03(\x04\x42\x10\n\x0e_first_logprob\"S\n\x10StageSlotRequest\x12\x30\n\x08transfer\x18\x01 \x01(\x0b\x32\x1e.glmserve.common.v1.TransferId\x12\r\n\x05\x63hunk\x18\x02 \x01(\r\"\x1e\n\x0eStageSlotReply\x12\x0c\n\x04slot\x18\x01 \x01(\r\"\xa1\x01\n\nStageChunk\x12\x30\n\x08transfer\x18\x01 \x01(\x0b\x32\x1e.glmserve.common.v1.TransferId\x12\r\n\x05\x63hunk\x18\x02 \x01(\r\x12\x0c\n\x04slot\x18\x03 \x01(\r\x12\r\n\x05start\x18\x04 \x01(\r\x12\x12\n\nnum_tokens\x18\x05 \x01(\r\x12\x12\n\ntopk_width\x18\x06 \x01(\r\x12\r\n\x05stamp\x18\x07 \x01(\x0c\"\x11\n\x0fStageChunkReply\"q\n\x10StageHealthReply\x12\r\n\x05ready\x18\x01 \x01(\x08\x12\r\n\x05stage\x18\x02 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x03 \x01(\r\x12\x19\n\x11\x61\x63tivation_target\x18\x04 \x01(\x0c\x12\x0f\n\x07running\x18\x05 \x01(\r2\xbe\x04\n\x05Stage\x12L\n\x05\x42\x65gin\x12\x1d.glmserve.prefill.v1.StageJob\x1a$.glmserve.prefill.v1.StageBeginReply\x12N\n\x05\x41\x64mit\x12\x1f.glmserve.prefill.v1.StageAdmit\x1a$.glmserve.prefill.v1.StageAdmitReply\x12Q\n\x06\x46inish\x12 .glmserve.prefill.v1.StageJobRef\x1a%.glmserve.prefill.v1.StageFinishReply\x12R\n\x04Slot\x12%.glmserve.prefill.v1.StageSlotRequest\x1a#.glmserve.prefill.v1.StageSlotReply\x12N\n\x05\x43hunk\x12\x1f.glmserve.prefill.v1.StageChunk\x1a$.glmserve.prefill.v1.StageChunkReply\x12K\n\x05\x41\x62ort\x12!.glmserve.prefill.v1.AbortRequest\x1a\x1f.glmserve.prefill.v1.AbortReply\x12S\n\x06Health\x12\".glmserve.prefill.v1.HealthRequest\x1a%.glmserve.prefill.v1.StageHealthReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fglmserve/prefill/v1/stage.proto\x12\x13glmserve.prefill.v1\x1a#glmserve/common/v1/generation.proto\x1a!glmserve/prefill/v1/prefill.proto\"\xd5\x01\n\x08StageJob\x12\x30\n\x08transfer\x18\x01 \x01(\x0b\x32\x1e.glmserve.common.v1.TransferId\x12\x12\n\nprompt_ids\x18\x02 \x03(\r\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.glmserve.common.v1.Sampling\x12\x15\n\rdecode_target\x18\x04 \x01(\x0c\x12\x16\n\x0e\x64\x65st_block_ids\x18\x05 \x03(\r\x12\x10\n\x08\x63hecksum\x18\x06 \x01(\x08\x12\x12\n\ncache_salt\x18\x07 \x01(\t\",\n\x0fStageBeginReply\x12\x19\n\x11num_cached_tokens\x18\x01 \x01(\r\"\x7f\n\nStageAdmit\x12\x30\n\x08transfer\x18\x01 \x01(\x0b\x32\x1e.glmserve.common.v1.TransferId\x12\x19\n\x11num_cached_tokens\x18\x02 \x01(\r\x12\x14\n\x0c\x63hunk_tokens\x18\x03 \x01(\r\x12\x0e\n\x06stream\x18\x04 \x01(\x08\"\x11\n\x0fStageAdmitReply\"?\n\x0bStageJobRef\x12\x30\n\x08transfer\x18\x01 \x01(\x0b\x32\x1e.glmserve.common.v1.TransferId\"\xcf\x01\n\x10StageFinishReply\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\x0f\n\x07\x64rained\x18\x03 \x01(\x08\x12\x30\n\x05\x66irst\x18\x0c \x01(\x0b\x32!.glmserve.prefill.v1.PrefillReply\x12\x13\n\x0b\x63omputed_at\x18\x08 \x01(\x01\x12\x15\n\rwrite_started\x18\t \x03(\x01\x12\x16\n\x0ewrite_finished\x18\n \x03(\x01\x12\x13\n\x0bwrite_bytes\x18\x0b \x03(\x04J\x04\x08\x04\x10\x08\"S\n\x10StageSlotRequest\x12\x30\n\x08transfer\x18\x01 \x01(\x0b\x32\x1e.glmserve.common.v1.TransferId\x12\r\n\x05\x63hunk\x18\x02 \x01(\r\"\x1e\n\x0eStageSlotReply\x12\x0c\n\x04slot\x18\x01 \x01(\r\"\xa1\x01\n\nStageChunk\x12\x30\n\x08transfer\x18\x01 \x01(\x0b\x32\x1e.glmserve.common.v1.TransferId\x12\r\n\x05\x63hunk\x18\x02 \x01(\r\x12\x0c\n\x04slot\x18\x03 \x01(\r\x12\r\n\x05start\x18\x04 \x01(\r\x12\x12\n\nnum_tokens\x18\x05 \x01(\r\x12\x12\n\ntopk_width\x18\x06 \x01(\r\x12\r\n\x05stamp\x18\x07 \x01(\x0c\"\x11\n\x0fStageChunkReply\"q\n\x10StageHealthReply\x12\r\n\x05ready\x18\x01 \x01(\x08\x12\r\n\x05stage\x18\x02 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x03 \x01(\r\x12\x19\n\x11\x61\x63tivation_target\x18\x04 \x01(\x0c\x12\x0f\n\x07running\x18\x05 \x01(\r2\xbe\x04\n\x05Stage\x12L\n\x05\x42\x65gin\x12\x1d.glmserve.prefill.v1.StageJob\x1a$.glmserve.prefill.v1.StageBeginReply\x12N\n\x05\x41\x64mit\x12\x1f.glmserve.prefill.v1.StageAdmit\x1a$.glmserve.prefill.v1.StageAdmitReply\x12Q\n\x06\x46inish\x12 .glmserve.prefill.v1.StageJobRef\x1a%.glmserve.prefill.v1.StageFinishReply\x12R\n\x04Slot\x12%.glmserve.prefill.v1.StageSlotRequest\x1a#.glmserve.prefill.v1.StageSlotReply\x12N\n\x05\x43hunk\x12\x1f.glmserve.prefill.v1.StageChunk\x1a$.glmserve.prefill.v1.StageChunkReply\x12K\n\x05\x41\x62ort\x12!.glmserve.prefill.v1.AbortRequest\x1a\x1f.glmserve.prefill.v1.AbortReply\x12S\n\x06Health\x12\".glmserve.prefill.v1.HealthRequest\x1a%.glmserve.prefill.v1.StageHealthReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -45,17 +45,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STAGEJOBREF']._serialized_start=538
   _globals['_STAGEJOBREF']._serialized_end=601
   _globals['_STAGEFINISHREPLY']._serialized_start=604
-  _globals['_STAGEFINISHREPLY']._serialized_end=867
-  _globals['_STAGESLOTREQUEST']._serialized_start=869
-  _globals['_STAGESLOTREQUEST']._serialized_end=952
-  _globals['_STAGESLOTREPLY']._serialized_start=954
-  _globals['_STAGESLOTREPLY']._serialized_end=984
-  _globals['_STAGECHUNK']._serialized_start=987
-  _globals['_STAGECHUNK']._serialized_end=1148
-  _globals['_STAGECHUNKREPLY']._serialized_start=1150
-  _globals['_STAGECHUNKREPLY']._serialized_end=1167
-  _globals['_STAGEHEALTHREPLY']._serialized_start=1169
-  _globals['_STAGEHEALTHREPLY']._serialized_end=1282
-  _globals['_STAGE']._serialized_start=1285
-  _globals['_STAGE']._serialized_end=1859
+  _globals['_STAGEFINISHREPLY']._serialized_end=811
+  _globals['_STAGESLOTREQUEST']._serialized_start=813
+  _globals['_STAGESLOTREQUEST']._serialized_end=896
+  _globals['_STAGESLOTREPLY']._serialized_start=898
+  _globals['_STAGESLOTREPLY']._serialized_end=928
+  _globals['_STAGECHUNK']._serialized_start=931
+  _globals['_STAGECHUNK']._serialized_end=1092
+  _globals['_STAGECHUNKREPLY']._serialized_start=1094
+  _globals['_STAGECHUNKREPLY']._serialized_end=1111
+  _globals['_STAGEHEALTHREPLY']._serialized_start=1113
+  _globals['_STAGEHEALTHREPLY']._serialized_end=1226
+  _globals['_STAGE']._serialized_start=1229
+  _globals['_STAGE']._serialized_end=1803
 # @@protoc_insertion_point(module_scope)

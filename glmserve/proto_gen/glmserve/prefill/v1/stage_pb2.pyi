@@ -56,14 +56,11 @@ class StageJobRef(_message.Message):
     def __init__(self, transfer: _Optional[_Union[_generation_pb2.TransferId, _Mapping]] = ...) -> None: ...
 
 class StageFinishReply(_message.Message):
-    __slots__ = ("ok", "error", "drained", "has_first_token", "first_token", "first_logprob", "mtp_hidden", "computed_at", "write_started", "write_finished", "write_bytes")
+    __slots__ = ("ok", "error", "drained", "first", "computed_at", "write_started", "write_finished", "write_bytes")
     OK_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     DRAINED_FIELD_NUMBER: _ClassVar[int]
-    HAS_FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
-    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
-    FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
-    MTP_HIDDEN_FIELD_NUMBER: _ClassVar[int]
+    FIRST_FIELD_NUMBER: _ClassVar[int]
     COMPUTED_AT_FIELD_NUMBER: _ClassVar[int]
     WRITE_STARTED_FIELD_NUMBER: _ClassVar[int]
     WRITE_FINISHED_FIELD_NUMBER: _ClassVar[int]
@@ -71,15 +68,12 @@ class StageFinishReply(_message.Message):
     ok: bool
     error: str
     drained: bool
-    has_first_token: bool
-    first_token: int
-    first_logprob: float
-    mtp_hidden: bytes
+    first: _prefill_pb2.PrefillReply
     computed_at: float
     write_started: _containers.RepeatedScalarFieldContainer[float]
     write_finished: _containers.RepeatedScalarFieldContainer[float]
     write_bytes: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, ok: _Optional[bool] = ..., error: _Optional[str] = ..., drained: _Optional[bool] = ..., has_first_token: _Optional[bool] = ..., first_token: _Optional[int] = ..., first_logprob: _Optional[float] = ..., mtp_hidden: _Optional[bytes] = ..., computed_at: _Optional[float] = ..., write_started: _Optional[_Iterable[float]] = ..., write_finished: _Optional[_Iterable[float]] = ..., write_bytes: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, ok: _Optional[bool] = ..., error: _Optional[str] = ..., drained: _Optional[bool] = ..., first: _Optional[_Union[_prefill_pb2.PrefillReply, _Mapping]] = ..., computed_at: _Optional[float] = ..., write_started: _Optional[_Iterable[float]] = ..., write_finished: _Optional[_Iterable[float]] = ..., write_bytes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StageSlotRequest(_message.Message):
     __slots__ = ("transfer", "chunk")

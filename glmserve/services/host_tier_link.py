@@ -1,11 +1,11 @@
-"""HostLink: a worker's connection to the kvstore's host tier (write-through, demotion, load-back).
+"""HostTierLink: a worker's connection to the kvstore's host tier (write-through, demotion, load-back).
 
 Shared by the prefill and decode workers. The engine side (which blocks, who owns them) is the
 engine's `HostOffload`; this moves the bytes with the worker's own transfer backend and talks to
 the kvstore over gRPC (``AsyncKVStoreClient``). Nothing here blocks the event loop.
 
 Writes (write-through and demotion): ``host_begin_write`` leases host rows for the hashes the host
-lacks, ``backend.write`` copies our rows there (stamp ``write_stamp(lease)``), ``host_end_write``
+lacks, ``transfer.write`` copies our rows there (stamp ``write_stamp(lease)``), ``host_end_write``
 commits them once done (or gives them back once drained; a write that could not be confirmed
 drained leaves its lease to the kvstore's timeout). The engine gets its rows back when the write
 is final.
@@ -36,7 +36,8 @@ from glmserve.core.block_hash import block_hashes, reusable_blocks
 from glmserve.engine.host_offload import HostWrite
 from glmserve.kv.host_pool import write_stamp
 from glmserve.kv.transfer import BlockWindow, KVTransferBackend, TransferError, TransferStamp
-from glmserve.services.engine_thread import EngineThread
+from glmserve.kv.transfer.timeouts import AGREED
+from glmserve.services.engine_host import EngineHost
 from glmserve.services.host_metrics import HostTierMetrics
 from glmserve.services.kvstore.client import AsyncKVStoreClient, HostAttachment, KVStoreError
 from glmserve.services.stamp_waiter import StampWaiter
@@ -50,13 +51,13 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class HostSettings:
+class HostTierSettings:
     """How a worker uses the kvstore's host tier."""
 
     address: str  # host:port of the kvstore
     worker_id: str
     write_through: bool = True  # write a finished request's full blocks to the host
-    load_timeout_s: float = 70.0  # a load's deadline; undrained destinations wait this long
+    load_timeout_s: float = AGREED.release_s  # a load's deadline; undrained destinations wait this long
 
     def __post_init__(self) -> None:
         if not self.address or not self.worker_id:
@@ -76,21 +77,21 @@ class Loaded:
     def apply(self, engine: Engine, then: object) -> object:
         """On the engine thread: hash the loaded blocks, run ``then()`` (add the request, which
         acquires them), then drop the load's ownership whatever ``then`` did."""
-        assert engine.host is not None
-        engine.host.commit_load(self.key, self.host_blocks)
+        assert engine.host_tier is not None
+        engine.host_tier.commit_load(self.key, self.host_blocks)
         try:
             return then()  # type: ignore[operator]
         finally:
-            engine.host.end_load(self.key)
+            engine.host_tier.end_load(self.key)
 
 
-class HostLink:
-    def __init__(self, settings: HostSettings, backend: KVTransferBackend, engine: EngineThread,
+class HostTierLink:
+    def __init__(self, settings: HostTierSettings, transfer: KVTransferBackend, engine: EngineHost,
                  metrics: HostTierMetrics | None, *, rpc_timeout_s: float = 2.0,
                  part: tuple[int, int] | None = None) -> None:
         """``part``: (stage, stages) of a LayerSplit stage (its writes are that part of each block)."""
         self.address, self.worker_id = settings.address, settings.worker_id
-        self._backend, self._engine, self.metrics = backend, engine, metrics
+        self._transfer, self._engine, self.metrics = transfer, engine, metrics
         self._write_through, self._load_timeout_s = settings.write_through, settings.load_timeout_s
         self._rpc_timeout_s = rpc_timeout_s
         self._client: AsyncKVStoreClient | None = None
@@ -98,14 +99,14 @@ class HostLink:
         self._root: bytes | None = None
         self._block_size = self._block_bytes = 0
         self._tasks: set[asyncio.Task[None]] = set()
-        self._stamps = StampWaiter(backend.completions)
+        self._stamps = StampWaiter(transfer.completions)
         self._part, self._row_offset, self._row_bytes = part, 0, 0
         self.ready = False
 
     # -- setup --------------------------------------------------------------------------------------
 
     async def start(self, buffer: torch.Tensor, row_offset: int = 0, row_bytes: int = 0) -> bool:
-        """Attach to the host tier (after ``backend.register(buffer)``); False, logged, if it cannot.
+        """Attach to the host tier (after ``transfer.register(buffer)``); False, logged, if it cannot.
         ``row_offset``/``row_bytes``: our rows are that slice of whole-model blocks (a stage)."""
         self._client = AsyncKVStoreClient(self.address, timeout_s=self._rpc_timeout_s)
         self._block_bytes = buffer[0].numel() * buffer.element_size()
@@ -113,15 +114,15 @@ class HostLink:
         window = BlockWindow(0, row_offset, self._block_bytes) if row_bytes else None
         try:
             attachment = await self._attach()
-            self._peer = await asyncio.to_thread(self._backend.connect, attachment.target_info, window)
+            self._peer = await asyncio.to_thread(self._transfer.connect, attachment.target_info, window)
         except (KVStoreError, TransferError, ValueError, OSError) as e:
             log.warning("host tier at %s not used: %s", self.address, e)
             return False
 
         def attach(e: Engine) -> tuple[bytes | None, int]:
             dropped = self.metrics.demotions_dropped.inc if self.metrics is not None else None
-            e.attach_host(self._write_through, self._notify, dropped)  # Counter.inc is thread-safe
-            return e.kv.root_hash, e.config.block_size
+            e.attach_host_tier(self._write_through, self._notify, dropped)  # Counter.inc is thread-safe
+            return e.cache_root or None, e.limits().block_size
 
         self._root, self._block_size = await self._engine.submit(attach)
         self.ready = True
@@ -135,8 +136,8 @@ class HostLink:
         deadline = time.monotonic() + wait_s
         while True:
             try:
-                return await self._client.host_attach(self.worker_id, self._backend.kind, self._block_bytes,
-                                                      self._backend.target_info(), self._row_offset,
+                return await self._client.host_attach(self.worker_id, self._transfer.kind, self._block_bytes,
+                                                      self._transfer.target_info(), self._row_offset,
                                                       self._row_bytes)
             except KVStoreError as e:
                 if not e.unavailable or time.monotonic() > deadline:
@@ -169,7 +170,7 @@ class HostLink:
             if self.metrics is not None:
                 self.metrics.failures.labels(op=write.kind).inc()
         finally:  # the write is final here: the rows go back to the engine
-            self._engine.submit_nowait(lambda e: e.host.write_done(write, stored))
+            self._engine.submit_nowait(lambda e: e.host_tier.write_done(write, stored))
 
     async def _copy(self, write: HostWrite) -> list[bytes]:
         assert self._client is not None and self._peer is not None
@@ -177,7 +178,7 @@ class HostLink:
         if not grant.lease_id:
             return []
         row_of = dict(zip(write.hashes, write.rows, strict=True))
-        handle = self._backend.write(self._peer, write_stamp(grant.lease_id),
+        handle = self._transfer.write(self._peer, write_stamp(grant.lease_id),
                                      [row_of[h] for h in grant.hashes], grant.block_ids)
         await asyncio.to_thread(handle.wait)
         if handle.state != "done":
@@ -207,7 +208,7 @@ class HostLink:
             return None
         hashes = await asyncio.to_thread(block_hashes, self._root, list(prompt_ids[: n * self._block_size]),
                                          self._block_size, salt=salt)
-        first = await self._engine.submit(lambda e: e.host.device_hits(hashes))
+        first = await self._engine.submit(lambda e: e.host_tier.device_hits(hashes))
         try:
             on_host = await self._client.host_lookup(hashes[first:]) if first < n else 0
         except KVStoreError as e:
@@ -216,8 +217,8 @@ class HostLink:
         if on_host == 0:
             return None
         wanted = hashes[: first + on_host]
-        device, dest = await self._engine.submit(lambda e: e.host.begin_load(key, wanted))
-        loaded = await self._transfer(key, generation, wanted[device: device + len(dest)], dest)
+        device, dest = await self._engine.submit(lambda e: e.host_tier.begin_load(key, wanted))
+        loaded = await self._load_blocks(key, generation, wanted[device: device + len(dest)], dest)
         if loaded == 0:
             return Loaded(key, device, 0)  # still holds the device hits: apply() or cancel() ends it
         if self.metrics is not None:
@@ -227,7 +228,7 @@ class HostLink:
             self.metrics.loadback_seconds.observe(time.perf_counter() - started)
         return Loaded(key, device, loaded)
 
-    async def _transfer(self, key: str, generation: int, hashes: list[bytes], dest: list[int]) -> int:
+    async def _load_blocks(self, key: str, generation: int, hashes: list[bytes], dest: list[int]) -> int:
         """Blocks written into ``dest``; 0 when none (then the destination blocks are already given
         back, or quarantined until they are surely drained)."""
         if not dest:
@@ -271,7 +272,7 @@ class HostLink:
         """Give the load's blocks back after ``delay_s`` (0: now)."""
 
         def give_back() -> None:
-            self._engine.submit_nowait(lambda e: e.host.cancel_load(key))
+            self._engine.submit_nowait(lambda e: e.host_tier.cancel_load(key))
 
         if delay_s <= 0:
             give_back()
@@ -280,7 +281,7 @@ class HostLink:
 
     def release(self, key: str) -> None:
         """Give back what a finished load still holds (the request was not added after all)."""
-        self._engine.submit_nowait(lambda e: e.host.cancel_load(key))
+        self._engine.submit_nowait(lambda e: e.host_tier.cancel_load(key))
 
     def _failed(self, op: str, error: Exception) -> None:
         log.warning("host tier %s: %s", op, error)

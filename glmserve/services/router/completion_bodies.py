@@ -9,7 +9,7 @@ import json
 from typing import Any
 
 from glmserve.services.router.errors import APIError
-from glmserve.services.router.output_processor import TokenLogprob
+from glmserve.services.router.token_logprobs import TokenLogprob
 
 
 def usage(num_prompt: int, num_completion: int, num_cached: int) -> dict[str, Any]:
@@ -86,23 +86,34 @@ def usage_chunk(rid: str, created: int, model: str, obj: str, usage_: dict[str, 
 
 
 def chat_logprobs(entries: list[TokenLogprob]) -> dict[str, Any]:
-    """Chat `logprobs`; `top_logprobs` stay empty: backends report the chosen token's logprob only."""
+    """Chat `logprobs`: per token its logprob and the request's `top_logprobs` alternatives."""
     content = [
-        {"token": e.token, "logprob": e.logprob, "bytes": list(e.bytes), "top_logprobs": []} for e in entries
+        {
+            "token": e.token,
+            "logprob": e.logprob,
+            "bytes": list(e.bytes),
+            "top_logprobs": [{"token": a.token, "logprob": a.logprob, "bytes": list(a.bytes)} for a in e.top],
+        }
+        for e in entries
     ]
     return {"content": content}
 
 
 def completion_logprobs(entries: list[TokenLogprob], text_offset: int) -> dict[str, Any]:
-    """Legacy completions `logprobs`; ``text_offset`` is where the first entry's text starts."""
-    offsets = []
+    """Legacy completions `logprobs`; ``text_offset`` is where the first entry's text starts. Per
+    token, `top_logprobs` maps the `logprobs` most likely tokens, and always the chosen one, to
+    their logprobs (so up to `logprobs` + 1 entries, as the OpenAI API documents)."""
+    offsets, tops = [], []
     for e in entries:
         offsets.append(text_offset)
         text_offset += len(e.token)
+        top = {a.token: a.logprob for a in e.top}
+        top.setdefault(e.token, e.logprob)
+        tops.append(top)
     return {
         "tokens": [e.token for e in entries],
         "token_logprobs": [e.logprob for e in entries],
-        "top_logprobs": None,
+        "top_logprobs": tops,
         "text_offset": offsets,
     }
 

@@ -1,0 +1,108 @@
+"""The matmuls of a piece of work, recorded with torch.profiler and replayed alone: its floor.
+
+A step's floor is what its matrix products cost with nothing else around them: the same shapes, dtype
+and thread count, on fresh operands, one after another. Everything else a step does (norms, softmax,
+gathers, top-k, Python, small-op overhead) is the gap between the step and its floor.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+# The GEMM kernels every matmul, linear and einsum ends in on CPU, and how to rebuild their operands.
+GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
+
+
+@dataclass(frozen=True)
+class Gemm:
+    op: str
+    shapes: tuple[tuple[int, ...], ...]  # operand shapes as recorded (bias first for addmm/baddbmm)
+    dtype: str
+
+    @property
+    def flops(self) -> int:
+        a, b = self.shapes[-2], self.shapes[-1]
+        batch = a[0] if len(a) == 3 else 1
+        return 2 * batch * a[-2] * a[-1] * b[-1]
+
+
+def record(fn: Callable[[], Any]) -> tuple[Any, list[Gemm], Any]:
+    """Run `fn` under the profiler: (its result, the GEMMs it ran in order, the profile)."""
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        result = fn()
+    gemms = []
+    for event in prof.events():
+        if event.name in GEMM_OPS and _no_gemm_parent(event):
+            shapes = tuple(tuple(s) for s in event.input_shapes if s)
+            gemms.append(Gemm(event.name, shapes[-3:] if event.name in ("aten::addmm", "aten::baddbmm") else shapes[:2],
+                              _dtype(event)))
+    return result, gemms, prof
+
+
+def _no_gemm_parent(event) -> bool:
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name in GEMM_OPS:
+            return False
+        parent = parent.cpu_parent
+    return True
+
+
+def _dtype(event) -> str:
+    types = [t for t in getattr(event, "input_types", []) if t]
+    return types[-1] if types else "float"
+
+
+DTYPES = {"float": torch.float32, "c10::BFloat16": torch.bfloat16, "c10::Half": torch.float16}
+
+
+def replay_fn(gemms: list[Gemm]) -> Callable[[], None]:
+    """A function that runs the same GEMMs on random operands, built once outside the timing and
+    shared by GEMMs of the same shapes (a long prefill runs thousands of identical tiles)."""
+    calls, made = [], {}
+    for g in gemms:
+        dtype = DTYPES.get(g.dtype, torch.float32)
+        key = (g.op, g.shapes, dtype)
+        if key not in made:
+            operands = [torch.randn(s, dtype=dtype) for s in g.shapes]
+            made[key] = (g.op, operands, torch.empty(*g.shapes[-2][:-1], g.shapes[-1][-1], dtype=dtype))
+        calls.append(made[key])
+
+    def run() -> None:
+        for op, operands, out in calls:
+            if op in ("aten::mm", "aten::bmm"):
+                (torch.mm if op == "aten::mm" else torch.bmm)(*operands, out=out)
+            else:
+                (torch.addmm if op == "aten::addmm" else torch.baddbmm)(*operands, out=out)
+
+    return run
+
+
+def total_flops(gemms: list[Gemm]) -> int:
+    return sum(g.flops for g in gemms)
+
+
+def top_ops(prof, n: int = 12) -> str:
+    """The profile's top `n` ops by self CPU time, as a markdown table (op, calls, self ms, share)."""
+    rows = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    total = sum(e.self_cpu_time_total for e in rows) or 1
+    lines = ["| op | calls | self ms | share |", "|---|---|---|---|"]
+    for e in rows[:n]:
+        lines.append(f"| `{e.key}` | {e.count} | {e.self_cpu_time_total / 1e3:.1f} | {e.self_cpu_time_total / total:.0%} |")
+    return "\n".join(lines)
+
+
+def op_count(prof) -> int:
+    """Ops called from Python (top-level aten events), the step's dispatch count."""
+    return sum(1 for e in prof.events() if e.name.startswith("aten::") and e.cpu_parent is None)
+
+
+def gemm_summary(gemms: list[Gemm]) -> str:
+    kinds = Counter(g.op.removeprefix("aten::") for g in gemms)
+    return ", ".join(f"{n} {k}" for k, n in kinds.most_common())

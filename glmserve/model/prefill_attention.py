@@ -1,0 +1,83 @@
+"""Prefill attention kernels of one sequence: sparse over the DSA top-k, or dense while it is short.
+
+- sparse (a long context): absorbed attention over only the selected latent
+  rows. Query tiles gather their [tile, k] rows straight from where the rows live (the paged cache,
+  through the block table), so no sequence's whole context is copied and no [S, T] score or mask
+  tensor exists; kv_b_proj is folded into the query and the output, so no context latent is expanded.
+- dense (the context is within a few times `index_topk`): the keys and values are expanded once and
+  attended with PyTorch's fused scaled-dot-product kernel, masked to the selection; on short
+  contexts that is cheaper than gathering k rows for every query.
+Tiles keep each temporary near `TILE_VALUES` values, so a 16K-token chunk runs in cache-sized pieces.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from glmserve.model.paged_cache import PagedKVCache
+
+# Values per temporary (gathered rows, scores) that a query tile aims at: ~4 MiB of fp32.
+TILE_VALUES = 1 << 20
+
+RowSource = Callable[[torch.Tensor], torch.Tensor]  # positions [..., k] -> rows [..., k, width]
+
+
+def paged_rows(view: torch.Tensor, block_table: torch.Tensor) -> RowSource:
+    """Rows of one sequence's positions in a paged cache view (only the addressed rows are read)."""
+    block_size = view.shape[1]
+    return lambda pos: PagedKVCache.gather_rows(view, block_table[pos // block_size], pos % block_size)
+
+
+def flat_rows(kv: torch.Tensor) -> RowSource:
+    """Rows of positions in a sequence's own [T, width] tensor (a forward without a cache)."""
+    return lambda pos: kv.index_select(0, pos.reshape(-1)).view(*pos.shape, kv.shape[-1])
+
+
+def query_tile(values_per_query: int) -> int:
+    return max(1, TILE_VALUES // max(values_per_query, 1))
+
+
+def sparse_latent_attention(
+    query: torch.Tensor, rows_of: RowSource, selected: torch.Tensor, positions: torch.Tensor, latent_dim: int
+) -> torch.Tensor:
+    """Attention of S queries over their own selected rows, in latent space: [S, H, latent_dim].
+
+    query [S, H, latent + rope] (q_nope absorbed through kv_b_proj, joined with the rotated part and
+    already scaled); selected [S, k] ascending positions (int64); positions [S] ascending. A selected
+    position after its query (queries before position k select 0..k-1) is masked.
+    """
+    s, heads, _ = query.shape
+    k = selected.shape[-1]
+    out = query.new_empty(s, heads, latent_dim)
+    step = query_tile(k * max(query.shape[-1], heads))
+    for a in range(0, s, step):
+        b = min(a + step, s)
+        rows = rows_of(selected[a:b]).to(query.dtype)  # [tile, k, latent + rope]
+        scores = torch.bmm(query[a:b], rows.transpose(1, 2))  # [tile, H, k]
+        if int(positions[a]) < k:  # only queries before position k can have selected a later key
+            later = selected[a:b] > positions[a:b, None]
+            scores.masked_fill_(later.unsqueeze(1), float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+        torch.bmm(probs, rows[..., :latent_dim], out=out[a:b])
+    return out
+
+
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                    scale: float, chosen: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of S queries (positions [S], the last S of the context) over T keys,
+    restricted to `chosen` [S, T] (bool) when given.
+
+    q [S, H, E], k [T, H, E], v [T, H, Ev] -> [S, H, Ev], with PyTorch's fused kernel."""
+    s, t = q.shape[0], k.shape[0]
+    args = (q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1))
+    if s == t and chosen is None:
+        out = F.scaled_dot_product_attention(*args, is_causal=True, scale=scale)
+    else:
+        mask = torch.arange(t, device=positions.device) <= positions.unsqueeze(-1)
+        if chosen is not None:
+            mask &= chosen
+        out = F.scaled_dot_product_attention(*args, attn_mask=mask, scale=scale)
+    return out.transpose(0, 1)

@@ -1,0 +1,252 @@
+"""OpenAI request bodies as pydantic models: FastAPI serves their JSON schema in ``/openapi.json``,
+and `parse_body` validates a raw body into one (transport-free; responses are built in
+`completion_bodies`).
+
+Every rejection is an `APIError` 400 naming the field (``param``), raised before anything reaches
+a backend. Types are strict (``"1.5"`` is not a number, ``1`` is not a boolean, numbers are finite).
+Unknown fields are ignored, as OpenAI-compatible servers do. Ranges of the sampling parameters are
+`SamplingParams`'s; the schema states the same bounds.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, model_validator
+
+from glmserve.core.generation import MAX_LOGPROBS, SamplingParams
+from glmserve.services.router.errors import (
+    APIError,
+    context_length_exceeded,
+    from_value_error,
+    invalid_request,
+    model_not_found,
+)
+
+MAX_COMPLETION_LOGPROBS = 5  # the legacy completions API allows 0..5
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+
+Bool = Annotated[bool, Strict()]
+Int = Annotated[int, Strict()]
+Str = Annotated[str, Strict()]
+Number = Annotated[float, Strict(), Field(allow_inf_nan=False)]
+Body = TypeVar("Body", bound="GenerationBody")
+
+
+class _Open(BaseModel):
+    """Unknown fields are accepted and ignored."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+class StreamOptions(_Open):
+    include_usage: Bool = False
+
+
+class TextPart(_Open):
+    type: Literal["text"]
+    text: Str
+
+
+class FunctionCall(_Open):
+    name: Str
+    arguments: Str = "{}"
+
+
+class ToolCall(_Open):
+    id: Str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(_Open):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Str | list[TextPart] | None = None
+    tool_calls: list[ToolCall] | None = None
+
+    @model_validator(mode="after")
+    def _content_or_calls(self) -> ChatMessage:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("tool_calls: only on assistant messages")
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"content: required for role {self.role!r}")
+        return self
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as the chat template reads it: role normalised, content one string."""
+        out = self.model_dump(exclude_none=True)
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        return {**out, "role": ROLES[self.role], "content": content}
+
+
+class FunctionSpec(_Open):
+    name: Annotated[str, Strict(), Field(min_length=1)]
+    description: Str | None = None
+    parameters: dict[str, Any] = Field(default_factory=dict)
+
+
+class Tool(_Open):
+    type: Literal["function"] = "function"
+    function: FunctionSpec
+
+
+class NamedFunction(_Open):
+    name: Str
+
+
+class NamedToolChoice(_Open):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+class GenerationBody(_Open):
+    """What chat and completions bodies share."""
+
+    model: Annotated[str, Strict(), Field(min_length=1)]
+    stream: Bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: Annotated[int, Strict(), Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Strict(), Field(ge=1)] | None = None
+    temperature: Annotated[float, Strict(), Field(ge=0, allow_inf_nan=False)] = 1.0
+    top_p: Annotated[float, Strict(), Field(gt=0, le=1, allow_inf_nan=False)] = 1.0
+    top_k: Annotated[int, Strict(), Field(ge=-1)] = -1  # vLLM extension; -1 or 0: off
+    seed: Int | None = None
+    stop: Str | list[Str] | None = None
+    ignore_eos: Bool = False  # vLLM extension
+    n: Int = 1
+    presence_penalty: Number = 0.0
+    frequency_penalty: Number = 0.0
+    logit_bias: dict[str, Any] | None = None
+    user: Str | None = None
+
+    @model_validator(mode="after")
+    def _supported(self) -> GenerationBody:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options: only allowed when stream is true")
+        if self.n != 1:
+            raise ValueError("n: only n = 1 is supported")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) != 0:
+                raise ValueError(f"{name}: not supported (only 0)")
+        if self.logit_bias:
+            raise ValueError("logit_bias: not supported")
+        return self
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def logprobs_count(self) -> int | None:
+        """`SamplingParams.logprobs`: None, or how many alternatives per token."""
+        raise NotImplementedError
+
+    def sampling_params(self, num_prompt: int, max_context: int, param: str) -> SamplingParams:
+        """The request's sampling; without a max the completion may fill the rest of the context.
+        400 (``context_length_exceeded`` on ``param``) when prompt and completion do not fit."""
+        limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        max_tokens = limit if limit is not None else max_context - num_prompt
+        if max_tokens < 1 or num_prompt + max_tokens > max_context:
+            raise context_length_exceeded(num_prompt, max(max_tokens, 1), max_context, param)
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        try:
+            return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
+                                  top_k=self.top_k, seed=self.seed, stop=stop, ignore_eos=self.ignore_eos,
+                                  logprobs=self.logprobs_count)
+        except ValueError as e:
+            raise from_value_error(e) from e
+
+    def check_model(self, served: str) -> None:
+        """404 unless the request names the served model."""
+        if self.model != served:
+            raise model_not_found(self.model)
+
+
+class ChatCompletionRequest(GenerationBody):
+    """``POST /v1/chat/completions``."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    logprobs: Bool = False
+    top_logprobs: Annotated[int, Strict(), Field(ge=0, le=MAX_LOGPROBS)] | None = None
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs: needs logprobs = true")
+        names = [t.function.name for t in self.tools or []]
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise ValueError(f"tool_choice: names a function that is not in tools: "
+                             f"{self.tool_choice.function.name!r}")
+        if self.tool_choice in ("auto", "required") and not self.tools:
+            raise ValueError("tool_choice: only allowed when tools are given")
+        return self
+
+    @property
+    def logprobs_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        return [m.for_template() for m in self.messages]
+
+    def active_tools(self) -> list[dict[str, Any]] | None:
+        """The tools to render and parse calls for (None: absent, or ``tool_choice`` "none")."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
+
+
+class CompletionRequest(GenerationBody):
+    """``POST /v1/completions`` (one prompt: a string or token ids; a batch of one is accepted)."""
+
+    prompt: Str | list[Int] | list[Str | list[Int]]
+    logprobs: Annotated[int, Strict(), Field(ge=0, le=MAX_COMPLETION_LOGPROBS)] | None = None
+    best_of: Int = 1
+    echo: Bool = False
+    suffix: Str | None = None
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> CompletionRequest:
+        prompt = self.prompt
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+            prompt = self.prompt = prompt[0]  # a batch of one
+        if not prompt or (isinstance(prompt, list) and not all(isinstance(t, int) for t in prompt)):
+            raise ValueError("prompt: expected a non-empty string or array of token ids (one prompt)")
+        if self.best_of != 1:
+            raise ValueError("best_of: only 1 is supported")
+        if self.echo or self.suffix:
+            raise ValueError("echo: echo and suffix are not supported")
+        return self
+
+    @property
+    def logprobs_count(self) -> int | None:
+        return self.logprobs
+
+    def check_token_ids(self, vocab_size: int) -> None:
+        if isinstance(self.prompt, list) and not all(0 <= t < vocab_size for t in self.prompt):
+            raise invalid_request(f"prompt: token ids must be in 0..{vocab_size - 1}", "prompt")
+
+
+def parse_body(model: type[Body], raw: bytes) -> Body:
+    """Validate a raw JSON body into ``model``; the first problem becomes a 400 naming its field."""
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as e:
+        raise _bad_request(e) from None
+
+
+def _bad_request(error: ValidationError) -> APIError:
+    first = error.errors(include_url=False)[0]
+    loc = [str(part) for part in first["loc"]]
+    if first["type"] == "json_invalid":
+        return invalid_request(f"The request body is not valid JSON: {first['msg']}")
+    if first["type"] == "model_type" and not loc:
+        return invalid_request("The request body must be a JSON object.")
+    message = str(first["msg"]).removeprefix("Value error, ")
+    if loc:  # a field's own check: the top-level field is the param
+        return invalid_request(f"{'.'.join(loc)}: {message}", loc[0])
+    return from_value_error(ValueError(message))  # a cross-field check: "<field>: ..."
+
