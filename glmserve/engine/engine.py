@@ -30,7 +30,7 @@ from glmserve.core.stop_checker import StopChecker
 from glmserve.engine.engine_config import EngineConfig
 from glmserve.engine.engine_stats import EngineLimits, EngineLoad, EngineStats
 from glmserve.engine.handoff import HeldPrefill, PrefillOutput
-from glmserve.engine.host_offload import HostOffload, HostWrite
+from glmserve.engine.host_offload import HostOffload, HostWrite, attach_host_offload
 from glmserve.engine.kv_cache_manager import KVCacheManager, prefix_cache_root
 from glmserve.engine.model_runner import ModelRunner
 from glmserve.engine.mtp_drafter import MTPDrafter
@@ -162,11 +162,8 @@ class Engine:
         """Turn on the host tier's engine side (see `HostOffload`); ``notify`` gets each write and
         ``on_drop`` each eviction not demoted, on this engine's thread. Needs prefix caching (host
         blocks are found by hash)."""
-        if self.kv.root_hash is None:
-            raise ValueError("prefix_caching: the host tier needs prefix caching on")
-        self.host_tier = HostOffload(self.pool, self.cache.buffer, self.config.host_staging_blocks,
-                                     write_through=write_through, notify=notify, on_drop=on_drop)
-        self.kv.on_free = self.host_tier.on_free
+        self.host_tier = attach_host_offload(self.kv, self.cache.buffer, self.config.host_staging_blocks,
+                                             write_through, notify, on_drop)
         return self.host_tier
 
     def _evicted(self, block_id: int, block_hash: bytes) -> None:

@@ -35,7 +35,7 @@ from glmserve.core.generation import SamplingParams, check_prompt
 from glmserve.engine.engine_config import EngineConfig
 from glmserve.engine.engine_stats import EngineLimits, EngineLoad, EngineStats
 from glmserve.engine.handoff import PrefillOutput
-from glmserve.engine.host_offload import HostOffload, HostWrite
+from glmserve.engine.host_offload import HostOffload, HostWrite, attach_host_offload
 from glmserve.engine.kv_cache_manager import KVCacheManager, prefix_cache_root
 from glmserve.engine.model_runner import ModelRunner
 from glmserve.engine.request import Request
@@ -170,11 +170,8 @@ class StageEngine:
                          on_drop: Callable[[], None] | None = None) -> HostOffload:
         """The host tier's engine side, as `Engine.attach_host_tier`: this stage's rows (its slice
         of each block) are written through, demoted and loaded back."""
-        if self.kv.root_hash is None:
-            raise ValueError("prefix_caching: the host tier needs prefix caching on")
-        self.host_tier = HostOffload(self.pool, self.cache.buffer, self.config.host_staging_blocks,
-                                     write_through=write_through, notify=notify, on_drop=on_drop)
-        self.kv.on_free = self.host_tier.on_free
+        self.host_tier = attach_host_offload(self.kv, self.cache.buffer, self.config.host_staging_blocks,
+                                             write_through, notify, on_drop)
         return self.host_tier
 
     def _evicted(self, block_id: int, block_hash: bytes) -> None:

@@ -17,12 +17,18 @@ from collections.abc import Iterator
 import grpc
 import pytest
 from stage_fixtures import Replica
-from worker_fixtures import HAS_MODEL, MODEL_DIR, Outcome, WorkerProcess, generate, generate_request
+from worker_fixtures import (
+    HAS_MODEL,
+    MODEL_DIR,
+    Outcome,
+    WorkerProcess,
+    generate,
+    generate_request,
+    greedy_oracle,
+)
 
 from glmserve.core.generation import SamplingParams
 from glmserve.kv.transfer import nixl_unavailable_reason
-from glmserve.model.greedy import greedy_generate
-from glmserve.model.loader import load_model
 from glmserve.proto_gen.glmserve.decode.v1 import decode_pb2_grpc as decode_grpc
 
 pytestmark = pytest.mark.skipif(not HAS_MODEL, reason=f"no model at {MODEL_DIR}")
@@ -36,15 +42,7 @@ STAGE_FLAGS = ("--chunk-tokens", str(CHUNK), "--stream-min-tokens", str(STREAM_M
 
 @pytest.fixture(scope="module")
 def oracle():
-    model = load_model(MODEL_DIR)
-    cache: dict[tuple[int, ...], list[int]] = {}
-
-    def run(prompt: list[int]) -> list[int]:
-        if tuple(prompt) not in cache:
-            cache[tuple(prompt)] = greedy_generate(model, prompt, MAX_TOKENS, stop_ids=model.config.eos_token_ids)
-        return cache[tuple(prompt)]
-
-    return run
+    return greedy_oracle(MAX_TOKENS)
 
 
 @pytest.fixture(scope="module")
