@@ -16,6 +16,7 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
+from logprob_oracle import reference_logprobs
 from stage_fixtures import Replica
 from worker_fixtures import (
     HAS_MODEL,
@@ -63,14 +64,14 @@ def _prompts(rng: random.Random, n: int, lo: int, hi: int) -> list[list[int]]:
 
 
 async def _run_all(decode: WorkerProcess, jobs: list[tuple[str, list[int], dict]], prefill: str,
-                   limit: int = 4) -> list[Outcome]:
+                   limit: int = 4, params: SamplingParams = GREEDY) -> list[Outcome]:
     gate = asyncio.Semaphore(limit)
     async with grpc.aio.insecure_channel(decode.address) as channel:
         stub = decode_grpc.DecodeStub(channel)
 
         async def one(rid: str, prompt: list[int], cancel: dict) -> Outcome:
             async with gate:
-                return await generate(stub, generate_request(rid, prompt, GREEDY, prefill), **cancel)
+                return await generate(stub, generate_request(rid, prompt, params, prefill), **cancel)
 
         return await asyncio.gather(*(one(*job) for job in jobs))
 
@@ -99,6 +100,14 @@ def test_outputs_equal_one_process_and_prefix_hits_are_exact(cluster, oracle):
     shared = long[0][:200] + _prompts(rng, 1, 50, 51)[0]
     again = asyncio.run(_run_all(decode, [("eq-prefix", shared, {})], replica.address))[0]
     assert again.tokens == oracle(shared) and again.num_cached_tokens == 192, again
+    # The first token's logprob and top logprobs come from the last stage, through the head.
+    with_lp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=3)
+    lp = asyncio.run(_run_all(decode, [("eq-lp", long[1], {})], replica.address, params=with_lp))[0]
+    expected = reference_logprobs(oracle.model, long[1], lp.tokens, 3)
+    assert lp.tokens == oracle(long[1])
+    assert [v for e in lp.events for v in e.logprobs] == pytest.approx([r.chosen for r in expected], abs=1e-3)
+    assert [list(top.token_ids) for e in lp.events for top in e.top_logprobs] == [[t for t, _ in r.top]
+                                                                               for r in expected]
     _wait_idle(replica, decode, free)
     head = replica.head.health()
     assert head.ready and head.worker_id == "replica" and head.block_size == 64 and head.cache_root
