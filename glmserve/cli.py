@@ -41,24 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--mtp", default="auto", help="number of MTP drafts, 'auto' or 'off'")
     launch = sub.add_parser("serve", help="router, prefill and decode workers and kvstore as separate processes")
     _model_arg(launch)
-    launch.add_argument("--prefill-workers", type=int, default=1)
-    launch.add_argument("--prefill-stages", type=int, default=1,
-                        help="LayerSplit: stage processes per prefill worker, each holding a contiguous layer range")
-    launch.add_argument("--prefill-layer-split", default=None,
-                        help="LayerSplit: explicit stage ranges, e.g. 0-3,4-7 (default: the placement planner's)")
-    launch.add_argument("--decode-workers", type=int, default=1)
-    launch.add_argument("--port", type=int, default=8000, help="the router's HTTP port on 127.0.0.1 (0: any free)")
-    launch.add_argument("--transfer", choices=["auto", "nixl", "tcp"], default="auto", help="KV transfer backend")
-    launch.add_argument("--redis-url", default=None, help="keep the kvstore's block index in Redis")
-    launch.add_argument("--host-tier-bytes", type=int, default=256 << 20,
-                        help="size of the kvstore's host (CPU) KV tier; 0: none")
-    launch.add_argument("--api-key", action="append", default=[], help="require this key (repeatable)")
-    launch.add_argument("--routing", choices=["cache_aware", "least_loaded", "round_robin"], default="cache_aware",
-                        help="how the router picks a prefill worker")
-    launch.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for every service")
-    launch.add_argument("--metrics-port", type=int, default=0, dest="metrics_port_base",
-                        help="fixed metrics ports from BASE: kvstore BASE, prefill-i BASE+1+i, then decode-j "
-                        "after the prefill workers (0: free ports; the router's are on its HTTP port)")
+    from glmserve.commands.serve import add_serve_args  # the launcher owns its flags
+
+    add_serve_args(launch)
     add_bench_parser(sub)
     layout = sub.add_parser("kv-layout", help="print the KV block layout and bytes per token of a model")
     _model_arg(layout)

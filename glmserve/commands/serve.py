@@ -1,33 +1,41 @@
-"""`glmserve serve`: the whole platform on this machine, one process per service on 127.0.0.1.
+"""`glmserve serve`: the whole platform on this machine, one supervised process per service.
 
-Starts the kvstore, N prefill and M decode workers (free ports), waits until each is ready (workers
-print ``READY host:port``; the kvstore answers Health), then the router pointed at them, waits until
-its ``/ready`` is 200, and prints the URL. Every child's output is forwarded to stderr, prefixed with
-its name. Ctrl-C / SIGTERM / SIGHUP stop every started process (router first, so clients see their
-streams end, then workers and kvstore; SIGKILL after a grace period); a child that dies on its own
-is reported and the rest are stopped (exit status 1), as is a start that does not finish in time.
-Children get their own session (the terminal's Ctrl-C reaches only this launcher, which stops them
-in order) and, on Linux, SIGTERM if the launcher itself dies.
+The layout (`plan`): the kvstore, N prefill and M decode workers and the router, each with ports
+chosen once at start (free ports on ``--host``; the router's ``--port``), so a restarted child
+comes back on the address the others know. Everything starts at once; the launcher waits until
+every worker printed ``READY``, the kvstore answers Health and the router's ``/ready`` is 200, then
+prints the URL. Every child's output is forwarded to stderr, prefixed with its name.
+
+While serving, a child that dies is restarted alone (`Supervisor`: backoff, and a limit after
+which the launcher gives up, stops everything and exits 1); the others keep serving, and only the
+requests that were on the dead process fail. Ctrl-C / SIGTERM / SIGHUP stop everything in stop
+ranks: the router (it drains: stops admitting, lets what runs finish), then the workers (they
+drain too), then the kvstore; SIGKILL after ``drain_timeout_s`` plus a margin. No child depends on
+that order (on Kubernetes every pod gets its SIGTERM at once): it only spares clients errors.
+Children get SIGTERM if the launcher itself dies (Linux).
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
+import contextlib
 import importlib.util
 import os
 import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
 import urllib.request
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from glmserve.commands.child import ChildSpec
+from glmserve.commands.supervisor import GaveUp, RestartPolicy, Supervisor
+
 _WORKER_MODULES = {"prefill": "glmserve.services.prefill.main", "decode": "glmserve.services.decode.main"}
+STOP_RANKS = {"router": 0, "prefill": 1, "decode": 1, "kvstore": 2}  # stopped in this order
 
 
 @dataclass(frozen=True)
@@ -35,14 +43,15 @@ class ServeConfig:
     model: Path
     prefill_workers: int = 1
     decode_workers: int = 1
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # every service listens here only
     port: int = 8000  # the router's; 0: any free port
     transfer: str = "auto"  # auto | nixl | tcp
     redis_url: str | None = None  # the kvstore's index in Redis instead of in memory
     host_tier_bytes: int = 256 << 20  # the kvstore's host KV tier; 0: none (workers then run without it)
     api_keys: tuple[str, ...] = ()
     ready_timeout_s: float = 300.0
-    grace_s: float = 10.0  # how long a child may take to stop after SIGTERM
+    drain_timeout_s: float = 30.0  # how long a stopping child may let running requests finish
+    restart: RestartPolicy = field(default_factory=RestartPolicy)
     metrics_port_base: int = 0  # kvstore here, prefill-i at +1+i, decode-j after them; 0: free ports
     prefill_stages: int = 1  # LayerSplit: stage processes per prefill worker
     prefill_layer_split: str | None = None  # explicit stage ranges (else the planner's)
@@ -65,6 +74,8 @@ class ServeConfig:
                              "[1, 65535]")
         if self.ready_timeout_s <= 0:
             raise ValueError(f"ready_timeout_s: must be > 0, got {self.ready_timeout_s}")
+        if self.drain_timeout_s < 0:
+            raise ValueError(f"drain_timeout_s: must be >= 0, got {self.drain_timeout_s}")
         if self.prefill_stages < 1:
             raise ValueError(f"prefill_stages: must be >= 1, got {self.prefill_stages}")
         self.layer_plan()  # ValueError naming prefill_stages or prefill_layer_split
@@ -82,11 +93,19 @@ class ServeConfig:
             return parse_layer_split(self.prefill_layer_split, config, stages)
         return plan_layer_split(config, self.prefill_stages)
 
+    @property
+    def grace_s(self) -> float:
+        """How long a child may take to stop after SIGTERM before it is killed: its drain, plus
+        time to end what the drain left and to close."""
+        return self.drain_timeout_s + 10.0
+
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ServeConfig:
+        restart = RestartPolicy(max_restarts=args.max_restarts, max_backoff_s=args.max_restart_backoff)
         return cls(args.model.resolve(), args.prefill_workers, args.decode_workers, port=args.port,
                    transfer=args.transfer, redis_url=args.redis_url, api_keys=tuple(args.api_key),
                    ready_timeout_s=args.ready_timeout, host_tier_bytes=args.host_tier_bytes,
+                   drain_timeout_s=args.drain_timeout, restart=restart,
                    metrics_port_base=getattr(args, "metrics_port_base", 0),
                    prefill_stages=getattr(args, "prefill_stages", 1),
                    prefill_layer_split=getattr(args, "prefill_layer_split", None),
@@ -97,14 +116,41 @@ class ServeConfig:
         return self.metrics_port_base + index if self.metrics_port_base else None
 
 
-class LaunchError(Exception):
-    """Starting the platform failed; the message says which process and why."""
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    """The flags of `glmserve serve` (besides ``--model``); `ServeConfig.from_args` reads them."""
+    p.add_argument("--prefill-workers", type=int, default=1)
+    p.add_argument("--prefill-stages", type=int, default=1,
+                   help="LayerSplit: stage processes per prefill worker, each holding a contiguous layer range")
+    p.add_argument("--prefill-layer-split", default=None,
+                   help="LayerSplit: explicit stage ranges, e.g. 0-3,4-7 (default: the placement planner's)")
+    p.add_argument("--decode-workers", type=int, default=1)
+    p.add_argument("--port", type=int, default=8000, help="the router's HTTP port on 127.0.0.1 (0: any free)")
+    p.add_argument("--transfer", choices=["auto", "nixl", "tcp"], default="auto", help="KV transfer backend")
+    p.add_argument("--redis-url", default=None, help="keep the kvstore's block index in Redis")
+    p.add_argument("--host-tier-bytes", type=int, default=256 << 20,
+                   help="size of the kvstore's host (CPU) KV tier; 0: none")
+    p.add_argument("--api-key", action="append", default=[], help="require this key (repeatable)")
+    p.add_argument("--routing", choices=["cache_aware", "least_loaded", "round_robin"], default="cache_aware",
+                   help="how the router picks a prefill worker")
+    p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for every service")
+    p.add_argument("--drain-timeout", type=float, default=ServeConfig.drain_timeout_s,
+                   help="on stop, seconds each service lets running requests finish")
+    p.add_argument("--max-restarts", type=int, default=RestartPolicy.max_restarts,
+                   help="restarts in a row of one service before the launcher gives up")
+    p.add_argument("--max-restart-backoff", type=float, default=RestartPolicy.max_backoff_s,
+                   help="longest wait before restarting a service (the wait doubles per restart)")
+    p.add_argument("--metrics-port", type=int, default=0, dest="metrics_port_base",
+                   help="fixed metrics ports from BASE: kvstore BASE, prefill-i BASE+1+i, then decode-j "
+                   "after the prefill workers (0: free ports; the router's are on its HTTP port)")
 
 
-def free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+def free_ports(host: str, n: int) -> list[int]:
+    """``n`` distinct ports free on ``host`` now (held together while chosen, so none repeats)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in socks:
+            s.bind((host, 0))
+        return [s.getsockname()[1] for s in socks]
 
 
 def module_exists(name: str) -> bool:
@@ -114,65 +160,7 @@ def module_exists(name: str) -> bool:
         return False
 
 
-def die_with_parent_hook() -> Callable[[], None] | None:
-    """A ``preexec_fn`` that makes the child get SIGTERM when the launcher dies, even by SIGKILL
-    (Linux ``PR_SET_PDEATHSIG``); None elsewhere. ``prctl`` is looked up here, in the parent: the
-    child between fork and exec should do as little as possible."""
-    if sys.platform != "linux":
-        return None
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    return lambda: prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
-
-
-class Child:
-    """One started service: its process, its output pump and the address it announced."""
-
-    def __init__(self, name: str, argv: list[str], env: dict[str, str], out_lock: threading.Lock,
-                 metrics_port: int | None = None, preexec: Callable[[], None] | None = None):
-        self.name, self.metrics_port = name, metrics_port
-        self.address: str | None = None  # from its READY line
-        self._announced = threading.Event()
-        self.proc = subprocess.Popen(
-            argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            env=env, start_new_session=True, preexec_fn=preexec,
-        )
-        self._pump = threading.Thread(target=self._forward, args=(out_lock,), name=f"out-{name}", daemon=True)
-        self._pump.start()
-
-    def _forward(self, lock: threading.Lock) -> None:
-        for line in self.proc.stdout:
-            if self.address is None and line.startswith("READY "):
-                self.address = line.split(maxsplit=1)[1].strip()
-                self._announced.set()
-            with lock:
-                sys.stderr.write(f"[{self.name}] {line}")
-                sys.stderr.flush()
-
-    @property
-    def announced(self) -> bool:
-        return self._announced.is_set()
-
-    def exit_status(self) -> int | None:
-        return self.proc.poll()
-
-    def terminate(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-
-    def wait(self, deadline: float) -> bool:
-        """Wait until it exited or ``deadline``; True if it exited."""
-        try:
-            self.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            return False
-        self._pump.join(timeout=1)
-        return True
-
-
-def _kvstore_ready(address: str) -> Callable[[], bool]:
+def kvstore_ready(address: str) -> Callable[[], bool]:
     def check() -> bool:
         from glmserve.services.kvstore.client import KVStoreClient, KVStoreError
 
@@ -186,7 +174,7 @@ def _kvstore_ready(address: str) -> Callable[[], bool]:
     return check
 
 
-def _http_ok(url: str) -> Callable[[], bool]:
+def http_ok(url: str) -> Callable[[], bool]:
     def check() -> bool:
         try:
             with urllib.request.urlopen(url, timeout=1) as response:
@@ -197,15 +185,70 @@ def _http_ok(url: str) -> Callable[[], bool]:
     return check
 
 
+def plan(cfg: ServeConfig) -> list[ChildSpec]:
+    """Every child of the platform, ports fixed (metrics ports from ``metrics_port_base`` when set)."""
+    py = sys.executable
+    workers = [(kind, i) for kind, count in (("prefill", cfg.prefill_workers), ("decode", cfg.decode_workers))
+               for i in range(count)]
+    layers = cfg.layer_plan()
+    extra_stages = cfg.prefill_workers * (len(layers.stages) - 1) if layers is not None else 0
+    free = iter(free_ports(cfg.host, 2 * (1 + len(workers)) + 1 + extra_stages))
+    metrics = [cfg.metrics_port(i) or next(free) for i in range(1 + len(workers))]  # kvstore, then workers
+    kv_port, router_port = next(free), cfg.port or next(free)
+    kv = f"{cfg.host}:{kv_port}"
+    labels = ("--served-model-name", cfg.model.name)  # the model_name label of their metrics
+    redis = ["--redis-url", cfg.redis_url] if cfg.redis_url else []
+    host_tier = ["--host-tier-bytes", str(cfg.host_tier_bytes), "--transfer", cfg.transfer] if cfg.host_tier_bytes else []
+    specs = [ChildSpec("kvstore", "kvstore", (
+        py, "-m", "glmserve.services.kvstore.main", "--host", cfg.host, "--port", str(kv_port),
+        "--metrics-port", str(metrics[0]), *labels, *redis, *host_tier), kv, metrics[0], STOP_RANKS["kvstore"],
+        ready=kvstore_ready(kv))]
+    addresses: dict[str, list[str]] = {"prefill": [], "decode": []}
+    for (kind, i), metrics_port in zip(workers, metrics[1:], strict=True):
+        address = f"{cfg.host}:{next(free)}"
+        addresses[kind].append(address)
+        argv = (py, "-m", _WORKER_MODULES[kind], "--model", str(cfg.model), "--host", cfg.host,
+                "--worker-id", f"{kind}-{i}", "--transfer", cfg.transfer, "--kvstore", kv,
+                "--drain-timeout-s", str(cfg.drain_timeout_s), *labels)
+        if kind == "prefill" and layers is not None:
+            stages = [address, *(f"{cfg.host}:{next(free)}" for _ in layers.stages[1:])]
+            specs += stage_specs(f"{kind}-{i}", argv, stages, layers.spec(), metrics_port)
+            continue
+        specs.append(ChildSpec(f"{kind}-{i}", kind, (
+            *argv, "--port", address.rsplit(":", 1)[1], "--metrics-port", str(metrics_port)),
+            address, metrics_port, STOP_RANKS[kind]))
+    url = f"http://{cfg.host}:{router_port}"
+    specs.append(ChildSpec("router", "router", (
+        py, "-m", "glmserve.services.router.main", "--model", str(cfg.model), "--host", cfg.host,
+        "--port", str(router_port), "--kvstore", kv, "--prefill", ",".join(addresses["prefill"]),
+        "--decode", ",".join(addresses["decode"]), "--routing", cfg.routing,
+        *[a for key in cfg.api_keys for a in ("--api-key", key)]),
+        url, None, STOP_RANKS["router"], ready=http_ok(f"{url}/ready")))
+    return specs
+
+
+def stage_specs(name: str, argv: tuple[str, ...], addresses: list[str], split: str,
+                metrics_port: int) -> list[ChildSpec]:
+    """One LayerSplit prefill worker: a process per stage on fixed ports (each is told them all, so
+    a restarted stage comes back where the others look for it); stage 0, the head, serves Prefill
+    under the worker's name and has its metrics."""
+    specs = []
+    for k, address in enumerate(addresses):
+        stage = ("--port", address.rsplit(":", 1)[1], "--stage-index", str(k), "--stage-addresses",
+                 ",".join(addresses), "--layer-split", split)
+        metrics = ("--metrics-port", str(metrics_port)) if k == 0 else ()
+        specs.append(ChildSpec(name if k == 0 else f"{name}.s{k}", "prefill", (*argv, *stage, *metrics), address,
+                               metrics_port if k == 0 else None, STOP_RANKS["prefill"]))
+    return specs
+
+
 class Launcher:
-    """Starts children, waits for them, stops them all (see the module docstring)."""
+    """The platform's children under one `Supervisor` (see the module docstring)."""
 
     def __init__(self, config: ServeConfig, stop: threading.Event):
         self.config, self.stop = config, stop
-        self.children: list[Child] = []
-        self._lock = threading.Lock()
-        self._env = self._child_env()
-        self._preexec = die_with_parent_hook()
+        self._out_lock = threading.Lock()  # one line at a time: ours and the children's
+        self.supervisor = Supervisor(config.restart, self._child_env(), self.say, self._out_lock)
 
     def _child_env(self) -> dict[str, str]:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -215,114 +258,26 @@ class Launcher:
         return env
 
     def say(self, message: str, err: bool = False) -> None:
-        with self._lock:
+        with self._out_lock:
             print(f"glmserve: {message}", file=sys.stderr if err else sys.stdout, flush=True)
 
-    def start(self, name: str, module: str, *args: str, metrics: bool = True, metrics_port: int | None = None) -> Child:
-        """Start ``python -m module args``; with ``metrics``, on ``--metrics-port metrics_port`` (a free
-        one when None) and the served model name as its metrics' ``model_name``."""
-        port = (metrics_port or free_port(self.config.host)) if metrics else None
-        extra = ["--metrics-port", str(port), "--served-model-name", self.config.model.name] if port is not None else []
-        argv = [sys.executable, "-m", module, *args, *extra]
-        child = Child(name, argv, self._env, self._lock, port, self._preexec)
-        self.children.append(child)
-        return child
+    def bring_up(self, specs: list[ChildSpec]) -> None:
+        """Start every child at once and wait until each is ready."""
+        for spec in specs:
+            self.supervisor.start(spec)
+        deadline = time.monotonic() + self.config.ready_timeout_s
+        self.supervisor.wait_ready([s.name for s in specs], deadline, self.stop, self.config.ready_timeout_s)
+        for spec in specs:
+            metrics = f"metrics {self.config.host}:{spec.metrics_port}" if spec.metrics_port else "metrics on /metrics"
+            proc = self.supervisor.process(spec.name)
+            self.say(f"{spec.name:<10} {spec.address}  ({metrics}, pid {proc.pid if proc else '-'})")
 
-    def wait_ready(self, checks: dict[Child, Callable[[], bool]], deadline: float) -> None:
-        """Until every check passes; `LaunchError` on a death, a stop request or the deadline."""
-        pending = dict(checks)
-        while pending:
-            self.check_alive()
-            if self.stop.is_set():
-                raise LaunchError("stopped before every process was ready")
-            pending = {c: ok for c, ok in pending.items() if not ok()}
-            if pending and time.monotonic() > deadline:
-                names = ", ".join(c.name for c in pending)
-                raise LaunchError(f"timed out after {self.config.ready_timeout_s:.0f} s waiting for {names} "
-                                  "to be ready (see their output above)")
-            if pending:
-                self.stop.wait(0.1)
-
-    def check_alive(self) -> None:
-        for child in self.children:
-            status = child.exit_status()
-            if status is not None:
-                how = f"was killed by {signal.Signals(-status).name}" if status < 0 else f"exited with status {status}"
-                raise LaunchError(f"{child.name} {how} unexpectedly")
+    def serve_until_stopped(self) -> None:
+        while not self.stop.wait(0.2):
+            self.supervisor.watch()
 
     def stop_all(self) -> None:
-        """SIGTERM the router, then everything else; SIGKILL whatever outlives the grace period."""
-        routers = [c for c in self.children if c.name == "router"]
-        for group in (routers, [c for c in self.children if c not in routers]):
-            for child in group:
-                child.terminate()
-            deadline = time.monotonic() + self.config.grace_s
-            for child in group:
-                if not child.wait(deadline):
-                    self.say(f"{child.name} did not stop in {self.config.grace_s:.0f} s; killing it", err=True)
-                    child.proc.kill()
-                    child.wait(time.monotonic() + 5)
-
-
-def _start_stages(launcher: Launcher, name: str, split: str, num_stages: int, common: list[str],
-                  metrics_port: int | None) -> list[Child]:
-    """One LayerSplit prefill worker: a process per stage on fixed ports (each is told them all);
-    stage 0, the head, first (it serves Prefill and has the metrics)."""
-    host = launcher.config.host
-    addresses = [f"{host}:{free_port(host)}" for _ in range(num_stages)]
-    children = []
-    for k, address in enumerate(addresses):
-        args = [*common, "--port", address.rsplit(":", 1)[1], "--stage-index", str(k),
-                "--stage-addresses", ",".join(addresses), "--layer-split", split]
-        children.append(launcher.start(name if k == 0 else f"{name}.s{k}", _WORKER_MODULES["prefill"], *args,
-                                       metrics=k == 0, metrics_port=metrics_port))
-    return children
-
-
-def _bring_up(launcher: Launcher) -> str:
-    """Start every service; returns the router's URL."""
-    cfg = launcher.config
-    deadline = time.monotonic() + cfg.ready_timeout_s
-    kv_port = free_port(cfg.host)
-    redis = ["--redis-url", cfg.redis_url] if cfg.redis_url else []
-    host_tier = ["--host-tier-bytes", str(cfg.host_tier_bytes), "--transfer", cfg.transfer]
-    kvstore = launcher.start("kvstore", "glmserve.services.kvstore.main",
-                             "--host", cfg.host, "--port", str(kv_port), *redis,
-                             *(host_tier if cfg.host_tier_bytes else []), metrics_port=cfg.metrics_port(0))
-    kvstore.address = f"{cfg.host}:{kv_port}"
-    workers: dict[str, list[Child]] = {"prefill": [], "decode": []}
-    first = {"prefill": 1, "decode": 1 + cfg.prefill_workers}
-    plan = cfg.layer_plan()
-    if plan is not None:
-        launcher.say(plan.describe())
-    stages: list[Child] = []  # LayerSplit stages 1.. (each replica's head is its prefill worker)
-    for kind, count in (("prefill", cfg.prefill_workers), ("decode", cfg.decode_workers)):
-        for i in range(count):
-            common = ["--model", str(cfg.model), "--host", cfg.host, "--worker-id", f"{kind}-{i}",
-                      "--transfer", cfg.transfer, "--kvstore", kvstore.address]
-            if kind == "prefill" and plan is not None:
-                replica = _start_stages(launcher, f"prefill-{i}", plan.spec(), len(plan.stages), common,
-                                        cfg.metrics_port(first[kind] + i))
-                workers[kind].append(replica[0])
-                stages += replica[1:]
-                continue
-            workers[kind].append(launcher.start(f"{kind}-{i}", _WORKER_MODULES[kind], *common, "--port", "0",
-                                                metrics_port=cfg.metrics_port(first[kind] + i)))
-    checks: dict[Child, Callable[[], bool]] = {kvstore: _kvstore_ready(kvstore.address)}
-    checks.update({c: (lambda c=c: c.announced) for group in [*workers.values(), stages] for c in group})
-    launcher.wait_ready(checks, deadline)
-    router = launcher.start(
-        "router", "glmserve.services.router.main", "--model", str(cfg.model), "--host", cfg.host,
-        "--port", str(cfg.port), "--kvstore", kvstore.address,
-        "--prefill", ",".join(c.address for c in workers["prefill"]),
-        "--decode", ",".join(c.address for c in workers["decode"]), "--routing", cfg.routing,
-        *[arg for key in cfg.api_keys for arg in ("--api-key", key)], metrics=False)  # on its HTTP port
-    launcher.wait_ready({router: lambda: router.announced}, deadline)
-    launcher.wait_ready({router: _http_ok(f"{router.address}/ready")}, deadline)
-    for child in launcher.children:
-        metrics = f"metrics {cfg.host}:{child.metrics_port}" if child.metrics_port else "metrics on /metrics"
-        launcher.say(f"{child.name:<10} {child.address}  ({metrics}, pid {child.proc.pid})")
-    return router.address
+        self.supervisor.stop_all(self.config.grace_s)
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -341,12 +296,15 @@ def run_serve(args: argparse.Namespace) -> int:
     launcher = Launcher(config, stop)
     status = 0
     try:
-        url = _bring_up(launcher)
-        launcher.say(f"serving {config.model.name} at {url}/v1 (Ctrl-C stops every process)")
-        while not stop.wait(0.2):
-            launcher.check_alive()
+        specs = plan(config)
+        layers = config.layer_plan()
+        if layers is not None:
+            launcher.say(layers.describe())
+        launcher.bring_up(specs)
+        launcher.say(f"serving {config.model.name} at {specs[-1].address}/v1 (Ctrl-C stops every process)")
+        launcher.serve_until_stopped()
         launcher.say("stopping")
-    except LaunchError as e:
+    except (GaveUp, TimeoutError, InterruptedError) as e:
         launcher.say(f"{e}; stopping the other processes", err=True)
         status = 1
     finally:

@@ -22,6 +22,10 @@ Contract (every implementation keeps it; callers may use any of them interchange
     (worker, block) entries per tier: the block copies the cluster holds (for metrics).
 ``healthy() -> bool``
     Whether the backend can be reached now; never raises.
+``epoch() -> str``
+    An id that changes whenever entries may have been lost (a new in-memory index, a Redis that
+    restarted); empty while the backend cannot be reached; never raises. Publishers seeing a new
+    epoch publish everything they hold again, so the index is rebuilt.
 ``close()``
     Releases connections; the index is unusable afterwards.
 
@@ -38,6 +42,7 @@ from __future__ import annotations
 
 import re
 import threading
+import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -150,6 +155,9 @@ class BlockIndex(ABC):
     @abstractmethod
     def healthy(self) -> bool: ...
 
+    @abstractmethod
+    def epoch(self) -> str: ...
+
     def describe(self) -> str:
         """Where the index lives, for logs (no secrets)."""
         return self.backend
@@ -168,6 +176,10 @@ class InMemoryBlockIndex(BlockIndex):
         self._holders: dict[bytes, set[Holder]] = {}
         self._by_worker: dict[str, dict[Tier, set[bytes]]] = {}
         self._lock = threading.Lock()
+        self._epoch = uuid.uuid4().hex  # the entries live and die with this object
+
+    def epoch(self) -> str:
+        return self._epoch
 
     def stored(self, worker: str, tier: Tier | str, hashes: Sequence[bytes]) -> None:
         worker, tier, hashes = check_event(worker, tier, hashes)

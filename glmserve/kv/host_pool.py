@@ -123,6 +123,10 @@ class HostBlockPool:
         """Blocks a lease holds (being written, or read)."""
         return len(self._writing) + sum(1 for r in self._readers if r > 0)
 
+    def stored_hashes(self) -> list[bytes]:
+        """Every visible hash, in the order they were stored."""
+        return list(self._stored)
+
     def contains(self, block_hash: bytes) -> bool:
         return block_hash in self._stored
 

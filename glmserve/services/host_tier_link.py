@@ -101,37 +101,73 @@ class HostTierLink:
         self._tasks: set[asyncio.Task[None]] = set()
         self._stamps = StampWaiter(transfer.completions)
         self._part, self._row_offset, self._row_bytes = part, 0, 0
+        self._instance: str | None = None  # the kvstore instance attached to
+        self._refused = False  # the kvstore refused to attach us (no host tier, another block size)
+        self._watcher: asyncio.Task[None] | None = None
         self.ready = False
 
     # -- setup --------------------------------------------------------------------------------------
 
     async def start(self, buffer: torch.Tensor, row_offset: int = 0, row_bytes: int = 0) -> bool:
-        """Attach to the host tier (after ``transfer.register(buffer)``); False, logged, if it cannot.
+        """Attach to the host tier (after ``transfer.register(buffer)``) and keep watching it; False,
+        logged, if it cannot attach now (the watcher attaches once the kvstore answers).
         ``row_offset``/``row_bytes``: our rows are that slice of whole-model blocks (a stage)."""
         self._client = AsyncKVStoreClient(self.address, timeout_s=self._rpc_timeout_s)
         self._block_bytes = buffer[0].numel() * buffer.element_size()
         self._row_offset, self._row_bytes = row_offset, row_bytes
-        window = BlockWindow(0, row_offset, self._block_bytes) if row_bytes else None
+        attached = await self._connect(wait_s=60.0)
+        self._watcher = asyncio.create_task(self._watch())
+        return attached
+
+    async def _connect(self, wait_s: float = 0.0) -> bool:
+        """HostAttach (retried for ``wait_s`` while the kvstore is unavailable: services start side
+        by side), connect the backend to the tier's target and, the first time, turn on the
+        engine's host side; ``ready`` when all of it worked. A kvstore that refuses (it has no host
+        tier, or another block size) is not asked again until it restarted."""
+        self.ready = False
+        window = BlockWindow(0, self._row_offset, self._block_bytes) if self._row_bytes else None
         try:
-            attachment = await self._attach()
+            attachment = await self._attach(wait_s)
             self._peer = await asyncio.to_thread(self._transfer.connect, attachment.target_info, window)
         except (KVStoreError, TransferError, ValueError, OSError) as e:
-            log.warning("host tier at %s not used: %s", self.address, e)
+            log.warning("host tier at %s not used for now: %s", self.address, e)
+            self._refused = not (isinstance(e, KVStoreError) and e.unavailable)
             return False
+        if not self._block_size:  # the engine's host side is turned on once
+            def attach(e: Engine) -> tuple[bytes | None, int]:
+                dropped = self.metrics.demotions_dropped.inc if self.metrics is not None else None
+                e.attach_host_tier(self._write_through, self._notify, dropped)  # Counter.inc is thread-safe
+                return e.cache_root or None, e.limits().block_size
 
-        def attach(e: Engine) -> tuple[bytes | None, int]:
-            dropped = self.metrics.demotions_dropped.inc if self.metrics is not None else None
-            e.attach_host_tier(self._write_through, self._notify, dropped)  # Counter.inc is thread-safe
-            return e.cache_root or None, e.limits().block_size
-
-        self._root, self._block_size = await self._engine.submit(attach)
-        self.ready = True
+            self._root, self._block_size = await self._engine.submit(attach)
+        self._instance, self._refused, self.ready = attachment.instance_id, False, True
         log.info("host tier at %s: %d blocks of %d B, write-through %s", self.address, attachment.num_blocks,
                  self._block_bytes, "on" if self._write_through else "off")
         return True
 
-    async def _attach(self, wait_s: float = 60.0) -> HostAttachment:
-        """HostAttach, retried while the kvstore is not up yet (services start side by side)."""
+    async def _watch(self, interval_s: float = 1.0) -> None:
+        """Attach again when the kvstore restarted (a new instance: an empty tier, a new transfer
+        target) or came back; not ready while it does not answer."""
+        assert self._client is not None
+        seen: str | None = None  # the instance last answering Health
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                instance = (await self._client.health()).instance_id
+            except KVStoreError:
+                if self.ready:
+                    log.warning("host tier at %s unreachable; not used until it is back", self.address)
+                self.ready = False
+                continue
+            restarted, seen = seen is not None and instance != seen, instance
+            if restarted:
+                log.info("kvstore at %s restarted: attaching to its host tier again", self.address)
+            if (self.ready and instance == self._instance) or (self._refused and not restarted):
+                continue
+            await self._connect()
+
+    async def _attach(self, wait_s: float) -> HostAttachment:
+        """HostAttach, retried while the kvstore is unavailable, for up to ``wait_s``."""
         assert self._client is not None
         deadline = time.monotonic() + wait_s
         while True:
@@ -145,6 +181,8 @@ class HostTierLink:
                 await asyncio.sleep(0.2)
 
     async def close(self) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=10.0)
         if self._client is not None:
@@ -173,7 +211,9 @@ class HostTierLink:
             self._engine.submit_nowait(lambda e: e.host_tier.write_done(write, stored))
 
     async def _copy(self, write: HostWrite) -> list[bytes]:
-        assert self._client is not None and self._peer is not None
+        assert self._client is not None
+        if not self.ready or self._peer is None:
+            return []  # detached (kvstore down or restarting): the write is skipped
         grant = await self._client.host_begin_write(self.worker_id, write.hashes, self._part)
         if not grant.lease_id:
             return []

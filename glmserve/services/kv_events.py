@@ -13,6 +13,10 @@ A kvstore outage must not break serving, and must not leave the index wrong afte
   everything indexed for this worker (``RemoveWorker``) and then stores the whole mirror. The same
   resync runs on the first flush after start, so a restarted worker with the same id never leaves
   stale entries behind.
+- An index that lost its entries while no publish failed (the kvstore restarted between two
+  flushes, its Redis restarted) is seen by its epoch: every ``epoch_check_s`` the publisher asks
+  Health, and a new ``index_epoch`` triggers the same resync. So the index is whole again within
+  about a second of any restart, whoever restarted.
 - ``close`` publishes what is pending, then removes the worker from the index.
 """
 
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Iterator, Sequence
 from typing import Protocol
@@ -28,7 +33,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from glmserve.kv.block_index import Tier
-from glmserve.services.kvstore.client import BlockEvent, EventKind, KVStoreError
+from glmserve.services.kvstore.client import BlockEvent, EventKind, KVStoreError, KVStoreHealth
 
 log = logging.getLogger(__name__)
 
@@ -40,18 +45,23 @@ class EventSink(Protocol):
 
     def remove_worker(self, worker: str) -> int: ...
 
+    def health(self) -> KVStoreHealth: ...
+
 
 class KVEventPublisher:
     """See the module docstring. ``start()`` runs the flusher thread; ``flush()`` is one round."""
 
     def __init__(self, worker_id: str, sink: EventSink, *, flush_interval_s: float = 0.05,
-                 max_hashes_per_event: int = 4096) -> None:
+                 max_hashes_per_event: int = 4096, epoch_check_s: float = 1.0) -> None:
         if not worker_id:
             raise ValueError("worker_id: must not be empty")
-        if flush_interval_s <= 0 or max_hashes_per_event < 1:
-            raise ValueError("flush_interval_s: must be > 0; max_hashes_per_event: >= 1")
+        if flush_interval_s <= 0 or max_hashes_per_event < 1 or epoch_check_s <= 0:
+            raise ValueError("flush_interval_s, epoch_check_s: must be > 0; max_hashes_per_event: >= 1")
         self.worker_id, self._sink = worker_id, sink
         self._interval, self._max_hashes = flush_interval_s, max_hashes_per_event
+        self._epoch_check_s, self._next_check = epoch_check_s, 0.0
+        self._epoch: str | None = None  # the index epoch the mirror was last synced to
+        self.resyncs = 0
         self._pending: deque[tuple[EventKind, bytes]] = deque()
         self._held: dict[bytes, None] = {}  # the mirror, in store order (chain order per request)
         self._in_sync = False  # False: the index may differ from the mirror (start, outage)
@@ -86,8 +96,10 @@ class KVEventPublisher:
         with self._flush_lock:
             batch = self._take_pending()
             try:
+                epoch = self._check_epoch()
                 if not self._in_sync:
                     self._resync()
+                    self._epoch, self.resyncs = epoch, self.resyncs + 1
                 elif batch:
                     self._send(_coalesce(self.worker_id, batch, self._max_hashes))
             except KVStoreError as e:
@@ -102,6 +114,20 @@ class KVEventPublisher:
                 log.info("block index resynced for worker %s (%d blocks)", self.worker_id, len(self._held))
             self._in_sync = True
             return True
+
+    def _check_epoch(self) -> str | None:
+        """Ask Health when a check is due (always before a resync); a new index epoch means the
+        index lost entries: out of sync. Returns the epoch seen (None: not asked now)."""
+        now = time.monotonic()
+        if self._in_sync and now < self._next_check:
+            return self._epoch
+        self._next_check = now + self._epoch_check_s
+        epoch = self._sink.health().index_epoch
+        if self._in_sync and epoch != self._epoch:
+            log.info("block index epoch changed (kvstore or its index restarted): resyncing worker %s",
+                     self.worker_id)
+            self._in_sync = False
+        return epoch
 
     def close(self) -> None:
         """Stop the thread, publish what is pending, and drop this worker from the index."""
@@ -146,8 +172,9 @@ class KVEventPublisher:
 
 class PublisherCollector(Collector):
     """The publisher's state on the worker's ``/metrics``: ``glmserve_kv_events_published_total``,
-    ``glmserve_kv_events_publish_failures_total`` and ``glmserve_kv_index_in_sync`` (0 during a
-    kvstore outage, until the resync)."""
+    ``glmserve_kv_events_publish_failures_total``, ``glmserve_kv_index_resyncs_total`` (the whole
+    mirror published again: at start, after an outage, after the index lost entries) and
+    ``glmserve_kv_index_in_sync`` (0 during a kvstore outage, until the resync)."""
 
     def __init__(self, publisher: KVEventPublisher) -> None:
         self._p = publisher
@@ -157,6 +184,8 @@ class PublisherCollector(Collector):
                                   value=self._p.published_events)
         yield CounterMetricFamily("glmserve_kv_events_publish_failures",
                                   "Flushes that could not reach the kvstore.", value=self._p.failures)
+        yield CounterMetricFamily("glmserve_kv_index_resyncs",
+                                  "Times this worker published all its blocks again.", value=self._p.resyncs)
         yield GaugeMetricFamily("glmserve_kv_index_in_sync",
                                 "1: the kvstore index holds this worker's blocks; 0: resync pending.",
                                 value=1.0 if self._p.in_sync else 0.0)

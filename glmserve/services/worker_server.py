@@ -3,10 +3,13 @@ and the process life (load, serve gRPC, print READY, stop cleanly on SIGTERM / S
 
 Life of a worker process (``run_worker``):
 1. build the worker and start it (the engine loads on its thread; a signal meanwhile stops it);
-2. serve gRPC (grpc.aio) on ``--host:--port`` (0: a free port) and metrics on ``--metrics-port``;
+2. serve gRPC (grpc.aio) on ``--host:--port`` (0: a free port), with ``grpc.health.v1`` for probes
+   (`liveness`), and metrics on ``--metrics-port``;
 3. print ``READY <host>:<port>`` on stdout (flushed; logs go to stderr), the launcher's cue;
-4. on SIGTERM / SIGINT: ``worker.close()`` first (aborts what runs; a prefill worker drains its
-   transfers while its Abort RPC still answers), then stop the server, then the metrics endpoint.
+4. on SIGTERM / SIGINT: ``worker.drain(drain_timeout_s)`` (Health turns not ready, no new work is
+   admitted, running requests may finish; a second signal cuts the drain short), then
+   ``worker.close()`` (ends what is left: streams end with an error event, a prefill worker drains
+   its transfers while its Abort RPC still answers), then stop the server, then the metrics endpoint.
 """
 
 from __future__ import annotations
@@ -16,10 +19,10 @@ import asyncio
 import logging
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import grpc
 from prometheus_client import CollectorRegistry
@@ -28,20 +31,29 @@ from glmserve.kv.transfer.timeouts import AGREED
 from glmserve.services.host_tier_link import HostTierSettings
 from glmserve.services.kv_events import KVEventPublisher, PublisherCollector
 from glmserve.services.kvstore.client import KVStoreClient
+from glmserve.services.liveness import HealthReporter
 from glmserve.services.metrics_exposition import MetricsServer, labelled
 
 if TYPE_CHECKING:
     from glmserve.engine.engine import Engine
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 DEFAULT_TRANSFER_TIMEOUT_S = AGREED.write_s  # a write is final within this + the drain timeout
 GRACE_S = 2.0  # how long in-flight RPCs may finish on shutdown
 DEFAULT_STAGING_BLOCKS = 8
+DEFAULT_DRAIN_TIMEOUT_S = 30.0  # on SIGTERM, how long running requests may finish
 
 
 class Worker(Protocol):
     async def start(self) -> None: ...
+
+    def live(self) -> bool: ...  # the process can serve (engine thread alive, not stuck)
+
+    def ready(self) -> bool: ...  # requests may be sent here
+
+    async def drain(self, timeout_s: float) -> int: ...
 
     async def close(self) -> None: ...
 
@@ -68,6 +80,8 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
                    help="check the KV block pool after every engine step (for tests; costs a pool scan)")
     p.add_argument("--host-staging-blocks", type=int, default=DEFAULT_STAGING_BLOCKS, dest="host_tier_staging_blocks",
                    help="cache rows kept for demoting evicted blocks to the host tier (0: no demotion)")
+    p.add_argument("--drain-timeout-s", type=float, default=DEFAULT_DRAIN_TIMEOUT_S,
+                   help="on SIGTERM, how long running requests may finish before they are ended")
 
 
 @dataclass(frozen=True)
@@ -86,6 +100,7 @@ class WorkerConfig:
     host_tier_write_through: str = "on"  # the CPU KV tier's; `host` is the address we bind
     host_tier_staging_blocks: int = DEFAULT_STAGING_BLOCKS
     check_integrity: bool = False
+    drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
     served_model_name: str | None = None  # the metrics' model_name (None: the model directory's name)
 
     def __post_init__(self) -> None:
@@ -98,6 +113,8 @@ class WorkerConfig:
             raise ValueError(f"host_tier_write_through: must be 'on' or 'off', got {self.host_tier_write_through!r}")
         if self.host_tier_staging_blocks < 0:
             raise ValueError(f"host_tier_staging_blocks: must be >= 0, got {self.host_tier_staging_blocks}")
+        if self.drain_timeout_s < 0:
+            raise ValueError(f"drain_timeout_s: must be >= 0, got {self.drain_timeout_s}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
             raise ValueError(f"kv_cache_bytes: must be > 0, got {self.kv_cache_bytes}")
 
@@ -160,15 +177,17 @@ def start_block_events(kvstore: str | None, worker_id: str) -> KVEventPublisher 
 
 async def serve_worker(config: WorkerConfig, worker: Worker, add_servicer: Callable[[grpc.aio.Server], None],
                        registry: CollectorRegistry | None, publisher: KVEventPublisher | None, name: str,
-                       role: str) -> int:
+                       role: str, service: str) -> int:
     """`run_worker` with the worker's block-event publisher on its metrics, closed on exit; every
-    sample is served with the ``model_name`` and ``role`` labels."""
+    sample is served with the ``model_name`` and ``role`` labels. ``service``: the full gRPC service
+    name (readiness in ``grpc.health.v1``)."""
     if publisher is not None and registry is not None:
         registry.register(PublisherCollector(publisher))
     try:
         served = None if registry is None else labelled(registry, {"model_name": config.model_name, "role": role})
         return await run_worker(worker, add_servicer, host=config.host, port=config.port, registry=served,
-                                metrics_port=config.metrics_port, name=name)
+                                metrics_port=config.metrics_port, name=name, service=service,
+                                drain_timeout_s=config.drain_timeout_s)
     finally:
         if publisher is not None:
             await asyncio.to_thread(publisher.close)
@@ -188,25 +207,27 @@ async def run_worker(
     registry: CollectorRegistry | None,
     metrics_port: int | None,
     name: str,
+    service: str,
+    drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
 ) -> int:
-    """Runs the process's worker until SIGTERM / SIGINT (see the module docstring); exit status."""
+    """Runs the process's worker until SIGTERM / SIGINT (see the module docstring); exit status.
+    ``service``: the full gRPC service name, for the readiness answer of ``grpc.health.v1``."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    starting = asyncio.create_task(worker.start())
-    stopping = asyncio.create_task(stop.wait())
-    await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
-    if not starting.done():
+    started, _ = await _first(worker.start(), stop)
+    if not started:
         log.info("%s: stopped while loading", name)
-        starting.cancel()
         return 0
-    stopping.cancel()
-    starting.result()  # a load error ends the process here, with its traceback
+    draining = False
+    health = HealthReporter(service, worker.live, lambda: worker.ready() and not draining)
     server = grpc.aio.server()
     add_servicer(server)
+    health.add_to(server)
     bound = server.add_insecure_port(f"{host}:{port}")
     await server.start()
+    reporting = asyncio.create_task(health.run())
     http = None
     if metrics_port is not None and registry is not None:
         http = MetricsServer(registry, host, metrics_port)
@@ -215,11 +236,32 @@ async def run_worker(
     print(f"READY {host}:{bound}", flush=True)
     try:
         await stop.wait()
+        stop.clear()
+        draining = True
+        await health.update()
+        log.info("%s draining (up to %.0f s; another signal stops it at once)", name, drain_timeout_s)
+        drained, left = await _first(worker.drain(drain_timeout_s), stop)
+        if not drained:
+            log.warning("%s: drain cut short by a second signal", name)
+        elif left:
+            log.warning("%s: %d requests still running after the drain; ending them", name, left)
     finally:
         log.info("%s stopping", name)
+        reporting.cancel()
         await worker.close()
         await server.stop(GRACE_S)
         if http is not None:
             http.close()
         log.info("%s stopped", name)
     return 0
+
+
+async def _first(work: Coroutine[Any, Any, T], stop: asyncio.Event) -> tuple[bool, T | None]:
+    """(True, ``work``'s result), or (False, None) with ``work`` cancelled when ``stop`` is set first."""
+    task, stopped = asyncio.ensure_future(work), asyncio.create_task(stop.wait())
+    await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    stopped.cancel()
+    if not task.done():
+        task.cancel()
+        return False, None
+    return True, task.result()  # a load error ends the process here, with its traceback

@@ -12,9 +12,11 @@ from glmserve.services.kvstore.main import KVStoreConfig, serve
 
 
 @contextmanager
-def kvstore(port: int) -> Iterator[KVStoreClient]:
+def kvstore(port: int, **config: object) -> Iterator[KVStoreClient]:
+    """A kvstore on ``port`` until the block ends; ``config``: more `KVStoreConfig` fields."""
     stop = threading.Event()
-    thread = threading.Thread(target=serve, args=(KVStoreConfig(port=port, grace_s=0.1), stop), daemon=True)
+    thread = threading.Thread(target=serve, args=(KVStoreConfig(port=port, grace_s=0.1, **config), stop),
+                              daemon=True)
     thread.start()
     client = KVStoreClient(f"127.0.0.1:{port}", timeout_s=2.0)
     deadline = time.monotonic() + 10

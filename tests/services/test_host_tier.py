@@ -139,6 +139,29 @@ def test_host_hit_after_device_flush_and_next_turn_reuses_decoded_blocks(cluster
     assert cluster.kvstore.wait_metric("glmserve_host_tier_pinned_blocks", lambda v: v == 0) == 0
 
 
+def test_workers_attach_again_after_a_kvstore_restart(cluster: Cluster) -> None:
+    """kill -9 of the kvstore, then a new one on the same address (what the launcher does): the
+    workers attach to its empty host tier and republish their blocks; hits from the host resume."""
+    rng = random.Random(8)
+    prompt = [rng.randrange(10, 8000) for _ in range(400)]
+    reusable = reusable_blocks(len(prompt), BLOCK) * BLOCK
+    cluster.kvstore.restart()
+    # The index is rebuilt by the workers' publishers (they see the new epoch): the prefill
+    # worker's earlier prompts are found again without any new request.
+    deadline = time.monotonic() + 10
+    while not cluster.kvstore.indexed_blocks("device"):
+        assert time.monotonic() < deadline, "the workers did not republish their blocks"
+        time.sleep(0.1)
+    cold = cluster.run("after-restart-cold", prompt)
+    # Write-through reaches the new host tier only once the workers attached to it again.
+    blocks = (len(prompt) + MAX_TOKENS - 1) // BLOCK
+    assert cluster.kvstore.wait_metric("glmserve_host_tier_blocks", lambda v: v >= blocks) >= blocks
+    cluster.restart_prefill()
+    again = cluster.run("after-restart-host", prompt)
+    assert (again.tokens, again.num_cached_tokens) == (cold.tokens, reusable)
+    assert hit_tokens(cluster.prefill.metrics(), "host") == reusable
+
+
 def test_memory_pressure_demotes_and_never_drops_blocks_in_use(tmp_path: Path) -> None:
     """A prefill worker with room for about three prompts, write-through off, and a host tier that
     is itself too small: evicted device blocks are demoted (copied to the host before reuse), host

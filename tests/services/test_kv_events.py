@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 
 from kvstore_fixtures import kvstore
-from redis_fixtures import free_port
+from redis_fixtures import RedisServer, free_port, requires_redis_server
 
 from glmserve.kv.block_index import PrefixMatch
 from glmserve.kv.block_pool import BlockPool
@@ -64,6 +64,43 @@ def test_an_outage_never_blocks_the_pool_and_the_index_is_resynced_after_it() ->
     publisher.close()  # kvstore gone again: close must still return promptly
 
 
+def test_a_kvstore_restart_between_flushes_is_seen_by_its_epoch_and_resynced() -> None:
+    port = free_port()
+    publisher = KVEventPublisher("w1", KVStoreClient(f"127.0.0.1:{port}", timeout_s=0.5), epoch_check_s=0.1)
+    with kvstore(port) as client:
+        committed_pool(4, H[:3], publisher)
+        assert publisher.flush() and client.lookup(H[:3]) == {"w1": PrefixMatch(3, 0)}
+    with kvstore(port) as client:  # restarted while the worker was idle: no publish ever failed
+        assert client.lookup(H[:3]) == {}
+        time.sleep(0.15)  # an epoch check is due
+        assert publisher.flush() and publisher.resyncs == 2
+        assert client.lookup(H[:3]) == {"w1": PrefixMatch(3, 0)}
+    assert publisher.failures == 0
+
+
+@requires_redis_server
+def test_the_index_is_rebuilt_after_a_redis_restart(tmp_path) -> None:
+    redis = RedisServer(tmp_path / "redis").start()
+    port = free_port()
+    try:
+        with kvstore(port, redis_url=redis.url) as client:
+            publisher = KVEventPublisher("w1", KVStoreClient(f"127.0.0.1:{port}", timeout_s=0.5),
+                                         epoch_check_s=0.1)
+            committed_pool(4, H[:4], publisher)
+            assert publisher.flush() and client.lookup(H[:4]) == {"w1": PrefixMatch(4, 0)}
+            redis.stop()
+            redis.start()  # same port, no persistence: every key is gone
+            assert client.lookup(H[:4]) == {}
+            deadline = time.monotonic() + 5
+            while client.lookup(H[:4]) != {"w1": PrefixMatch(4, 0)}:
+                assert time.monotonic() < deadline, "the index was not rebuilt"
+                publisher.flush()
+                time.sleep(0.05)
+            publisher.close()
+    finally:
+        redis.stop()
+
+
 def test_publisher_state_is_exposed_as_metrics() -> None:
     from prometheus_client import CollectorRegistry
 
@@ -80,6 +117,7 @@ def test_publisher_state_is_exposed_as_metrics() -> None:
         committed_pool(2, H[:2], publisher)
         assert publisher.flush()
         assert registry.get_sample_value("glmserve_kv_index_in_sync") == 1
+        assert registry.get_sample_value("glmserve_kv_index_resyncs_total") == 1
         assert registry.get_sample_value("glmserve_kv_events_published_total") == 1  # one stored event
     publisher.block_stored(H[2])
     assert not publisher.flush()  # reached once, now gone: a real failure

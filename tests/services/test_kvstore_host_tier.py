@@ -9,6 +9,7 @@ clear status codes.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import grpc
 import pytest
 import torch
 from host_tier_fixtures import HostKVStore
+from redis_fixtures import RedisServer, requires_redis_server
 
 from glmserve.kv.block_index import PrefixMatch
 from glmserve.kv.host_pool import write_stamp
@@ -103,3 +105,32 @@ def test_roundtrip_visibility_index_and_pressure(kind: str, kvstore: HostKVStore
 
     asyncio.run(go())
     assert kvstore.metrics()["glmserve_host_tier_evictions_total"] == 3  # H[0], then H[1] and H[2]
+
+
+@requires_redis_server
+def test_host_blocks_are_indexed_again_after_a_redis_restart(tmp_path: Path) -> None:
+    redis = RedisServer(tmp_path / "redis").start()
+    kvstore = HostKVStore(tmp_path / "kvstore.log", "tcp", HOST_BLOCKS * BLOCK_BYTES, "--redis-url", redis.url)
+    buffer = torch.zeros(4, BLOCK_BYTES, dtype=torch.uint8)
+
+    async def go() -> None:
+        backend = make_backend("tcp", host="127.0.0.1")
+        backend.register(buffer)
+        async with AsyncKVStoreClient(kvstore.address, timeout_s=5.0) as client:
+            attachment = await client.host_attach("w", "tcp", BLOCK_BYTES, backend.target_info())
+            peer = await asyncio.to_thread(backend.connect, attachment.target_info)
+            assert await _write(client, backend, peer, H[:3], [0, 1, 2]) == 3
+        await asyncio.to_thread(backend.close)
+
+    try:
+        asyncio.run(go())
+        assert kvstore.client.lookup(H[:3]) == {"host": PrefixMatch(0, 3)}
+        redis.stop()
+        redis.start()  # no persistence: the index is empty, the host tier still holds the blocks
+        deadline = time.monotonic() + 10
+        while kvstore.client.lookup(H[:3]) != {"host": PrefixMatch(0, 3)}:
+            assert time.monotonic() < deadline, "the host tier's blocks were not indexed again"
+            time.sleep(0.1)
+    finally:
+        assert kvstore.stop() == 0
+        redis.stop()

@@ -136,8 +136,11 @@ def test_streams_events_and_sends_the_request_contract() -> None:
         await collect(backend.generate("r2", [1], SamplingParams(max_tokens=1)))
         assert decode.requests[1].transfer.generation > sent.transfer.generation
         assert not decode.requests[1].sampling.HasField("seed")
+        counts = {"prefill": {"healthy": 1, "total": 1}, "decode": {"healthy": 1, "total": 1}}
+        assert backend.readiness_detail()["workers"] == counts
         prefill.ready = False  # a worker that says "not ready" is not chosen
         await eventually(lambda: not backend.ready())
+        assert backend.readiness_detail()["workers"]["prefill"] == {"healthy": 0, "total": 1}
         with pytest.raises(BackendUnavailable):
             await collect(backend.generate("r3", [1], SamplingParams(max_tokens=1)))
         await backend.close()

@@ -17,7 +17,9 @@ import openai
 import pytest
 from router_fixtures import HAS_MODEL, MODEL_DIR
 
-from glmserve.commands.serve import Launcher, LaunchError, ServeConfig, module_exists
+from glmserve.commands.child import ChildSpec
+from glmserve.commands.serve import ServeConfig, free_ports, module_exists, plan
+from glmserve.commands.supervisor import GaveUp, RestartPolicy, Supervisor
 
 REPO = Path(__file__).resolve().parents[2]
 FAKE_WORKER = "test_router_grpc_backend"  # that test file, run as a module, is a fake worker
@@ -25,36 +27,122 @@ WORKERS_MISSING = [m for m in ("glmserve.services.prefill.main", "glmserve.servi
                    if not module_exists(m)]
 
 
+def _fake(name: str, port: int, rank: int = 1, *extra: str) -> ChildSpec:
+    return ChildSpec(name, "fake", (sys.executable, "-m", FAKE_WORKER, "--port", str(port), *extra),
+                     f"127.0.0.1:{port}", stop_rank=rank)
+
+
+def _python(name: str, code: str, rank: int = 1) -> ChildSpec:
+    return ChildSpec(name, "script", (sys.executable, "-c", code), name, stop_rank=rank)
+
+
 @pytest.fixture
-def launcher(monkeypatch: pytest.MonkeyPatch):
+def supervisor(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(REPO), str(Path(__file__).parent)]))
-    launcher = Launcher(ServeConfig(MODEL_DIR, ready_timeout_s=1.0, grace_s=5.0), threading.Event())
-    yield launcher
-    launcher.stop_all()
+    said: list[str] = []
+    policy = RestartPolicy(initial_backoff_s=0.1, max_backoff_s=0.4, max_restarts=2, stable_after_s=60)
+    sup = Supervisor(policy, dict(os.environ), lambda message, _err: said.append(message), threading.Lock())
+    sup.said = said
+    yield sup
+    sup.stop_all(grace_s=5.0)
 
 
-def test_a_child_that_dies_is_reported_and_the_rest_are_stopped(launcher: Launcher) -> None:
-    a = launcher.start("fake-a", FAKE_WORKER, "--port", "0", metrics=False)
-    b = launcher.start("fake-b", FAKE_WORKER, "--port", "0", metrics=False)
-    launcher.wait_ready({a: lambda: a.announced, b: lambda: b.announced}, time.monotonic() + 30)
-    assert re.fullmatch(r"127\.0\.0\.1:\d+", a.address)
-    launcher.check_alive()
-    a.proc.kill()
-    a.proc.wait(timeout=10)
-    with pytest.raises(LaunchError, match="fake-a was killed by SIGKILL"):
-        launcher.check_alive()
-    launcher.stop_all()
-    assert b.exit_status() is not None
+def _watch_until(sup: Supervisor, done, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        assert time.monotonic() < deadline, sup.said
+        sup.watch()
+        time.sleep(0.05)
 
 
-def test_a_start_that_takes_too_long_names_the_laggard(launcher: Launcher) -> None:
-    slow = launcher.start("never-ready", "http.server", "0", "--bind", "127.0.0.1", metrics=False)
+def test_a_child_that_dies_comes_back_alone_on_its_address(supervisor: Supervisor) -> None:
+    port_a, port_b = free_ports("127.0.0.1", 2)
+    supervisor.start(_fake("fake-a", port_a))
+    b = supervisor.start(_fake("fake-b", port_b))
+    supervisor.wait_ready(["fake-a", "fake-b"], time.monotonic() + 30, threading.Event(), 30)
+    first = supervisor.process("fake-a")
+    assert first.announced_address == f"127.0.0.1:{port_a}"
+    first.proc.kill()
+    _watch_until(supervisor, lambda: supervisor.process("fake-a") not in (None, first)
+                 and supervisor.is_ready("fake-a"))
+    assert supervisor.process("fake-a").announced_address == f"127.0.0.1:{port_a}"  # same address
+    assert supervisor.process("fake-b") is b and b.exit_status() is None  # the other never stopped
+    assert supervisor.restarts() == {"fake-a": 1, "fake-b": 0}
+    assert any("fake-a was killed by SIGKILL; restarting it" in m for m in supervisor.said)
+    assert any(m == f"fake-a is back at 127.0.0.1:{port_a}" for m in supervisor.said)
+
+
+def test_a_crash_loop_gives_up_loudly(supervisor: Supervisor) -> None:
+    supervisor.start(_python("crasher", "raise SystemExit(3)"))
+    keeper = supervisor.start(_python("keeper", "import time; time.sleep(60)"))
     start = time.monotonic()
-    with pytest.raises(LaunchError, match="timed out after 1 s waiting for never-ready"):
-        launcher.wait_ready({slow: lambda: slow.announced}, time.monotonic() + 1.0)
+    with pytest.raises(GaveUp, match="crasher exited with status 3 after 2 restarts in a row"):
+        _watch_until(supervisor, lambda: False)
+    assert time.monotonic() - start < 10  # backoff 0.1 s, then 0.2 s
+    assert supervisor.restarts()["crasher"] == 2
+    supervisor.stop_all(grace_s=5.0)
+    assert keeper.exit_status() is not None
+
+
+def test_a_stable_run_starts_the_count_over(supervisor: Supervisor) -> None:
+    now = [0.0]
+    supervisor._clock = lambda: now[0]  # the supervisor's time; processes run in real time
+    supervisor.start(_python("flaky", "import time; print('READY flaky', flush=True); time.sleep(60)"))
+    for _ in range(4):  # more deaths than max_restarts, each after a stable run
+        _watch_until(supervisor, lambda: supervisor.is_ready("flaky"))
+        now[0] += 61.0
+        supervisor.watch()  # stable now: the count starts over
+        proc = supervisor.process("flaky")
+        proc.kill()
+        _watch_until(supervisor, lambda p=proc: supervisor.process("flaky") is not p)
+        now[0] += 1.0  # past the backoff
+    assert supervisor.restarts()["flaky"] == 3  # 4 deaths, max_restarts 2: never gave up
+
+
+def test_stop_ranks_stop_in_order(supervisor: Supervisor, tmp_path: Path) -> None:
+    record = ("import signal, sys, time; p = sys.argv[1] if len(sys.argv) > 1 else None\n"
+              "def bye(*_):\n    open({path!r}, 'a').write(f'{name} term {{time.time()}}\\n'); time.sleep(0.3)\n"
+              "    open({path!r}, 'a').write(f'{name} exit {{time.time()}}\\n'); sys.exit(0)\n"
+              "signal.signal(signal.SIGTERM, bye); print('READY x', flush=True); time.sleep(60)")
+    log = tmp_path / "order.log"
+    for name, rank in (("kv", 2), ("worker", 1), ("router", 0)):
+        supervisor.start(_python(name, record.format(path=str(log), name=name), rank))
+    supervisor.wait_ready(["kv", "worker", "router"], time.monotonic() + 30, threading.Event(), 30)
+    supervisor.stop_all(grace_s=5.0)
+    events = [line.split()[:2] for line in log.read_text().splitlines()]
+    assert events == [["router", "term"], ["router", "exit"], ["worker", "term"], ["worker", "exit"],
+                      ["kv", "term"], ["kv", "exit"]]
+
+
+def test_a_start_that_takes_too_long_names_the_laggard(supervisor: Supervisor) -> None:
+    supervisor.start(_python("never-ready", "import time; time.sleep(60)"))
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match="timed out after 1 s waiting for never-ready"):
+        supervisor.wait_ready(["never-ready"], time.monotonic() + 1.0, threading.Event(), 1.0)
     assert time.monotonic() - start < 5
-    launcher.stop_all()
-    assert slow.exit_status() is not None
+
+
+def test_the_plan_fixes_every_port_on_the_host() -> None:
+    specs = plan(ServeConfig(MODEL_DIR, prefill_workers=2, decode_workers=2, port=0))
+    assert [s.name for s in specs] == ["kvstore", "prefill-0", "prefill-1", "decode-0", "decode-1", "router"]
+    ports = [int(s.address.rsplit(":", 1)[1]) for s in specs] + [s.metrics_port for s in specs if s.metrics_port]
+    assert len(set(ports)) == len(ports) == 11
+    assert all(s.address.removeprefix("http://").startswith("127.0.0.1:") for s in specs)
+    router = specs[-1].argv
+    assert router[router.index("--prefill") + 1] == ",".join(s.address for s in specs[1:3])
+    assert router[router.index("--decode") + 1] == ",".join(s.address for s in specs[3:5])
+    assert [s.stop_rank for s in specs] == [2, 1, 1, 1, 1, 0]
+    for s in specs[1:5]:
+        assert s.argv[s.argv.index("--port") + 1] == s.address.rsplit(":", 1)[1]
+    fixed = plan(ServeConfig(MODEL_DIR, prefill_workers=2, decode_workers=2, metrics_port_base=9100))
+    assert [s.metrics_port for s in fixed] == [9100, 9101, 9102, 9103, 9104, None]  # kept on every restart
+
+
+def test_restart_policy_backs_off_and_checks_its_fields() -> None:
+    policy = RestartPolicy(initial_backoff_s=0.5, max_backoff_s=4.0)
+    assert [policy.backoff_s(n) for n in range(1, 6)] == [0.5, 1.0, 2.0, 4.0, 4.0]
+    with pytest.raises(ValueError, match="max_restarts"):
+        RestartPolicy(max_restarts=-1)
 
 
 def test_bad_arguments_are_refused_before_anything_starts(tmp_path: Path) -> None:
@@ -69,6 +157,8 @@ def test_bad_arguments_are_refused_before_anything_starts(tmp_path: Path) -> Non
     with pytest.raises(ValueError, match="prefill_layer_split: 2 ranges for 4 prefill stages"):
         ServeConfig(MODEL_DIR, prefill_stages=4, prefill_layer_split="0-3,4-7")
     assert ServeConfig(MODEL_DIR, prefill_layer_split="0-2,3-7").layer_plan().ranges == (range(0, 3), range(3, 8))
+    with pytest.raises(ValueError, match="drain_timeout_s"):
+        ServeConfig(MODEL_DIR, drain_timeout_s=-1)
 
 
 # --- end to end -------------------------------------------------------------------------------------

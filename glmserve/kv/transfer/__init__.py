@@ -67,8 +67,9 @@ def nixl_unavailable_reason() -> str | None:
 
 def make_backend(kind: str = "auto", host: str | None = None, **options: Any) -> KVTransferBackend:
     """A transfer backend: ``nixl``, ``tcp``, or ``auto`` (NIXL when it imports, else TCP).
-    ``host``: the interface a TCP receiver listens on; ``options`` go to the backend's constructor
-    (e.g. ``timeout_s``: writes are failed and fenced after it). The choice is logged."""
+    ``host``: the interface the backend listens on (a TCP receiver binds it; NIXL's UCX listens
+    only on the interfaces holding it); ``options`` go to the backend's constructor (e.g.
+    ``timeout_s``: writes are failed and fenced after it). The choice is logged."""
     if kind not in BACKEND_KINDS:
         raise ValueError(f"transfer: must be one of {', '.join(BACKEND_KINDS)}, got {kind!r}")
     if kind == "auto":
@@ -79,7 +80,7 @@ def make_backend(kind: str = "auto", host: str | None = None, **options: Any) ->
     if kind == "nixl":
         from glmserve.kv.transfer.nixl_backend import NixlTransferBackend
 
-        backend: KVTransferBackend = NixlTransferBackend(**options)
+        backend: KVTransferBackend = NixlTransferBackend(**options, **({"host": host} if host is not None else {}))
     else:
         from glmserve.kv.transfer.tcp_backend import TcpTransferBackend
 

@@ -25,6 +25,8 @@ same-host DRAM puts, TCP over loopback for notifications, with ``ucx_error_handl
   receiver mid-write is seen within milliseconds here). The fence then fails as well: the handle is
   failed and not drained, and ``cancel`` raises ``TransferDrainError``.
 - A request still in progress after ``timeout_s`` is released, fenced and failed.
+- UCX's TCP transport listens on every network interface unless UCX_NET_DEVICES names some: with
+  ``host`` given, only the interfaces holding that address (DESIGN invariant 9).
 - A write completes only while the receiver progresses its UCX worker as well (measured: without
   that, not even the first chunk finishes). NIXL's progress thread would do it, but 1.5.1 runs it
   as a busy loop; a receiver here polls every ``progress_interval_s`` instead (~0.3-0.5 of a core
@@ -34,12 +36,13 @@ same-host DRAM puts, TCP over loopback for notifications, with ``ucx_error_handl
 from __future__ import annotations
 
 import base64
+import contextlib
 import logging
 import os
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,6 +59,7 @@ from glmserve.kv.transfer.base import (
     decode_info,
     encode_info,
 )
+from glmserve.kv.transfer.net_devices import interfaces_for
 from glmserve.kv.transfer.stamp import TransferStamp
 from glmserve.kv.transfer.timeouts import AGREED
 
@@ -70,6 +74,21 @@ def import_nixl() -> Any:
     import nixl
 
     return nixl
+
+
+@contextlib.contextmanager
+def _ucx_net_devices(devices: list[str] | None) -> Iterator[None]:
+    """UCX_NET_DEVICES while UCX reads its configuration (at backend creation), unless the user
+    set it. The ``ucx_devices`` backend parameter of NIXL 1.5.1 did not stop the TCP transport from
+    listening on other interfaces (measured); the environment variable does."""
+    if devices is None or "UCX_NET_DEVICES" in os.environ:
+        yield
+        return
+    os.environ["UCX_NET_DEVICES"] = ",".join(devices)
+    try:
+        yield
+    finally:
+        os.environ.pop("UCX_NET_DEVICES", None)
 
 
 @dataclass
@@ -105,8 +124,11 @@ class NixlTransferBackend(KVTransferBackend):
         error_handling: str = "peer",
         poll_interval_s: float = 0.0002,
         progress_interval_s: float = 0.001,
+        host: str | None = None,
     ) -> None:
-        """``error_handling``: UCX's ``peer`` (default: peer failures are reported; UCX then uses CMA
+        """``host``: the address this process serves on; UCX then listens only on the interfaces
+        holding it (None or a wildcard: every interface; UCX_NET_DEVICES, when set, wins).
+        ``error_handling``: UCX's ``peer`` (default: peer failures are reported; UCX then uses CMA
         and TCP here) or ``none`` (needed for UCX's posix/sysv shared-memory transports; a dead peer
         may then go unnoticed until ``timeout_s``). ``progress_interval_s``: how often a receiver
         progresses its UCX worker (what a write into it waits for at most per round trip)."""
@@ -133,9 +155,10 @@ class NixlTransferBackend(KVTransferBackend):
         config = nixl.nixl_agent_config(
             enable_prog_thread=False, backends=[], sync_mode=nixl.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
         )
-        self._agent = nixl.nixl_agent(self.name, config)
-        # One worker, so a fence shares the endpoint of the write it fences.
-        self._agent.create_backend("UCX", {"ucx_error_handling_mode": error_handling, "num_workers": "1"})
+        with _ucx_net_devices(interfaces_for(host) if host is not None else None):
+            self._agent = nixl.nixl_agent(self.name, config)
+            # One worker, so a fence shares the endpoint of the write it fences.
+            self._agent.create_backend("UCX", {"ucx_error_handling_mode": error_handling, "num_workers": "1"})
         self._lock = threading.Lock()
         self._buffer: torch.Tensor | None = None
         self._scratch: torch.Tensor | None = None

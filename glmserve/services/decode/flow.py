@@ -51,6 +51,7 @@ class DecodeFlow:
         self._events: asyncio.Queue[TokenEvent] = asyncio.Queue()
         self._aborted = asyncio.Event()
         self._abort_reason: str | None = None
+        self._abort_finish: FinishReason = "abort"
         self.stage = "queued"  # queued (reserving) | prefill | decode | done
         self.num_cached = 0
         self.task: asyncio.Task[None] | None = None
@@ -59,15 +60,17 @@ class DecodeFlow:
     def start(self, on_done: Callable[[DecodeFlow], None]) -> None:
         self.task = asyncio.create_task(self._run(on_done), name=f"decode-{self.key}")
 
-    def abort(self, reason: str, label: str) -> None:
+    def abort(self, reason: str, label: str, finish: FinishReason = "abort") -> None:
+        """Stop the request; its stream ends with ``finish`` ("abort", or "error" when the
+        request was not given up by anyone but cannot finish here: the worker shuts down)."""
         if self._abort_reason is not None or self.stage == "done":
             return
-        self._abort_reason = reason
+        self._abort_reason, self._abort_finish = reason, finish
         if self._ctx.metrics is not None:
             self._ctx.metrics.abort(self.stage, label)
         self._aborted.set()
         if self._stream is not None:
-            self._stream.end("abort", reason)
+            self._stream.end(finish, reason)
 
     async def events(self) -> AsyncIterator[TokenEvent]:
         while True:
@@ -101,7 +104,7 @@ class DecodeFlow:
         return TokenEvent.ended(self.key, reason, error, self.num_cached)
 
     def _abort_ended(self) -> _Ended | None:
-        return None if self._abort_reason is None else _Ended("abort", self._abort_reason)
+        return None if self._abort_reason is None else _Ended(self._abort_finish, self._abort_reason)
 
     # --- stages -----------------------------------------------------------------------------------
 
@@ -127,7 +130,7 @@ class DecodeFlow:
         ctx, s, dest = self._ctx, self._ctx.settings, self._dest
         if self._abort_reason is not None:
             ctx.release_now(self.key)  # nothing was asked of any prefill worker yet
-            raise _Ended("abort", self._abort_reason)
+            raise _Ended(self._abort_finish, self._abort_reason)
         self.stage = "prefill"
         if self._timer is not None:
             self._timer.scheduled()
@@ -196,9 +199,10 @@ class DecodeFlow:
         self.stage = "decode"
         assert self._stream is not None
         while True:
-            if out.finish_reason == "abort":  # aborted here (the engine's own events never say abort)
+            if out.finish_reason == "abort" or (out.finish_reason == "error" and self._abort_reason is not None):
+                # aborted here (the engine's own events never say abort; a shutdown ends with "error")
                 await self._ctx.engine.submit(lambda e: e.abort(self.key))  # frees its blocks now
-                return self._final("abort", out.error)
+                return self._final(out.finish_reason, out.error)
             if out.finish_reason == "error":
                 return self._final("error", out.error)
             if self._timer is not None:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from glmserve.kv.transfer import make_backend
 from glmserve.kv.transfer.timeouts import AGREED
+from glmserve.proto_gen.glmserve.decode.v1 import decode_pb2 as pb
 from glmserve.proto_gen.glmserve.decode.v1 import decode_pb2_grpc as pb_grpc
 from glmserve.services.decode.prefill_client import GrpcPrefillClient
 from glmserve.services.decode.servicer import DecodeServicer
@@ -73,7 +74,8 @@ async def serve(config: DecodeConfig) -> int:
     servicer = DecodeServicer(worker, config.worker_id)
     return await serve_worker(config, worker, lambda server: pb_grpc.add_DecodeServicer_to_server(servicer, server),
                               worker.metrics.registry if worker.metrics is not None else None, publisher,
-                              f"decode worker {config.worker_id} ({backend.kind} transfer)", role="decode")
+                              f"decode worker {config.worker_id} ({backend.kind} transfer)", role="decode",
+                              service=pb.DESCRIPTOR.services_by_name["Decode"].full_name)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -42,6 +42,7 @@ from glmserve.services.decode.prefill_client import PrefillPort
 from glmserve.services.engine_host import EngineHost
 from glmserve.services.host_metrics import HostTierMetrics
 from glmserve.services.host_tier_link import HostTierLink, HostTierSettings
+from glmserve.services.liveness import EngineWatch
 from glmserve.services.worker_metrics import TokenTimer, WorkerMetrics
 
 if TYPE_CHECKING:
@@ -93,6 +94,7 @@ class DecodeWorker:
         """``host_tier``: write finished requests' blocks (prompt and generated) through to the kvstore's
         host tier, and demote evicted ones there."""
         self._engine = EngineHost(engine_factory, "decode-engine")
+        self._watch = EngineWatch(self._engine)
         self.metrics = metrics(self._engine) if metrics is not None else None
         self.host_metrics = HostTierMetrics(self.metrics.registry) if self.metrics is not None else None
         self._host_tier = HostTierLink(host_tier, transfer, self._engine, self.host_metrics) if host_tier else None
@@ -102,7 +104,7 @@ class DecodeWorker:
         self._arrivals = TransferArrivals(self._on_stale)
         self._flows: dict[str, DecodeFlow] = {}  # by request id
         self._context: FlowContext | None = None
-        self._closing = False
+        self._draining = self._closing = False
 
     @property
     def engine(self) -> EngineHost:
@@ -128,7 +130,15 @@ class DecodeWorker:
         return WorkerHealth(self._ready(), s.running, s.waiting + s.reserved, s.free_blocks)
 
     def _ready(self) -> bool:
-        return self._context is not None and self._engine.alive and not self._closing
+        return self._context is not None and self._engine.alive and not (self._draining or self._closing)
+
+    def ready(self) -> bool:
+        """Requests may be sent here (loaded, engine thread alive, not draining)."""
+        return self._ready()
+
+    def live(self) -> bool:
+        """The process can serve: its engine thread is alive and not stuck (`EngineWatch`)."""
+        return self._watch.live()
 
     # --- requests ---------------------------------------------------------------------------------
 
@@ -175,12 +185,23 @@ class DecodeWorker:
     def _forget(self, flow: DecodeFlow) -> None:
         self._flows.pop(flow.request_id, None)
 
+    async def drain(self, timeout_s: float) -> int:
+        """Stop admitting (Health says not ready; new requests get `DecodeUnavailable`, which the
+        router retries elsewhere) and let running requests finish, for up to ``timeout_s``.
+        Returns how many still run (`close` ends them)."""
+        self._draining = True
+        tasks = [f.task for f in self._flows.values() if f.task is not None]
+        if tasks and timeout_s > 0:
+            await asyncio.wait(tasks, timeout=timeout_s)
+        return len(self._flows)
+
     async def close(self) -> None:
-        """Abort every request (streams end with "abort"; prefill workers are told), then stop."""
+        """End every request (streams end with an error: the request did not finish; prefill
+        workers are told), then stop."""
         self._closing = True
         flows = list(self._flows.values())
         for flow in flows:
-            flow.abort("decode worker shutting down", "shutdown")
+            flow.abort("the decode worker shut down before the request finished", "shutdown", finish="error")
         if flows:
             await asyncio.wait([f.task for f in flows if f.task is not None], timeout=10.0)
         if self._context is not None:

@@ -54,6 +54,7 @@ class HostAttachment:
     target_info: bytes  # where the worker writes host blocks (its transfer backend connects here)
     num_blocks: int
     holder_id: str  # index holder id of host-tier blocks (tier HOST)
+    instance_id: str = ""  # the kvstore process attached to (a restart changes it)
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,8 @@ class KVStoreHealth:
     backend: str  # "memory" or "redis"
     index_up: bool
     detail: str
+    instance_id: str = ""  # new after a kvstore restart
+    index_epoch: str = ""  # new when index entries may have been lost; empty while the index is down
 
 
 def _events_to_proto(events: Iterable[BlockEvent]) -> pb.EventBatch:
@@ -96,7 +99,8 @@ def _matches_from_proto(response: pb.LookupResponse) -> dict[str, PrefixMatch]:
 
 
 def _health_from_proto(response: pb.HealthResponse) -> KVStoreHealth:
-    return KVStoreHealth(response.index_backend, response.index_up, response.detail)
+    return KVStoreHealth(response.index_backend, response.index_up, response.detail, response.instance_id,
+                         response.index_epoch)
 
 
 def _error(method: str, e: grpc.RpcError) -> KVStoreError:
@@ -185,7 +189,7 @@ class AsyncKVStoreClient:
         r = await self._call("HostAttach", pb.HostAttachRequest(
             worker_id=worker, transfer_kind=transfer_kind, block_bytes=block_bytes, target_info=target_info,
             row_offset=row_offset, row_bytes=row_bytes))
-        return HostAttachment(r.target_info, r.num_blocks, r.holder_id)
+        return HostAttachment(r.target_info, r.num_blocks, r.holder_id, r.instance_id)
 
     async def host_lookup(self, hashes: Sequence[bytes]) -> int:
         return (await self._call("HostLookup", pb.LookupRequest(block_hashes=list(hashes)))).num_blocks

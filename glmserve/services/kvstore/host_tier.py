@@ -102,6 +102,9 @@ class HostTier:
         self._targets: dict[str, tuple[bytes, BlockWindow | None]] = {}  # where, and which bytes, loads go
         self._peers: dict[tuple[bytes, BlockWindow | None], str] = {}
         self._loads: dict[tuple[str, int], _Load] = {}
+        self._index_epoch: str | None = None  # the index epoch our blocks were last published to
+        self._index_dirty = False  # an event of ours was dropped
+        self._publish_lock = threading.Lock()  # our index writes, in order
 
     # -- setup --------------------------------------------------------------------------------------
 
@@ -285,9 +288,34 @@ class HostTier:
         if not hashes or self._index is None:
             return
         try:
-            (self._index.stored if kind == "stored" else self._index.removed)(self.holder_id, Tier.HOST, hashes)
-        except IndexUnavailable as e:  # the tier keeps working; the index catches up on later events
+            with self._publish_lock:
+                (self._index.stored if kind == "stored" else self._index.removed)(self.holder_id, Tier.HOST, hashes)
+        except IndexUnavailable as e:  # the tier keeps working; `sync_index` republishes later
+            self._index_dirty = True
             log.warning("host tier: block index unavailable (%s); %d %s events dropped", e, len(hashes), kind)
+
+    def sync_index(self) -> bool:
+        """Publish every stored block again when the index lost entries (its epoch changed: Redis
+        restarted) or dropped our events, and at the first call (stale entries of a previous
+        kvstore under our holder id go). Called from the kvstore's loop; True when it republished."""
+        if self._index is None:
+            return False
+        epoch = self._index.epoch()
+        if not epoch or (epoch == self._index_epoch and not self._index_dirty):
+            return False
+        try:
+            with self._publish_lock:  # no event of ours lands between the snapshot and the rewrite
+                with self._lock:
+                    hashes = self._pool.stored_hashes() if self._pool is not None else []
+                self._index.remove_worker(self.holder_id)
+                if hashes:
+                    self._index.stored(self.holder_id, Tier.HOST, hashes)
+        except IndexUnavailable:
+            return False
+        if self._index_epoch is not None:
+            log.info("host tier: republished %d blocks to the block index", len(hashes))
+        self._index_epoch, self._index_dirty = epoch, False
+        return True
 
     def close(self) -> None:
         self.backend.close()

@@ -2,7 +2,7 @@
 [--redis-url redis://127.0.0.1:6379/0] [--metrics-port M] [--host-tier-bytes N --transfer auto|nixl|tcp]``.
 
 Serves the block index over gRPC (in memory, or in Redis with ``--redis-url`` so several routers
-share it), logs which index it uses, exports Prometheus metrics on ``--metrics-port``, and stops
+share it) with ``grpc.health.v1`` for probes, logs which index it uses, exports Prometheus metrics on ``--metrics-port``, and stops
 cleanly on SIGTERM / SIGINT (exit status 0). A Redis that is down at start is not fatal: the
 service comes up, Health reports ``index_up: false`` and index calls fail with UNAVAILABLE until
 Redis is back. ``--host-tier-bytes`` adds the host (CPU) KV block tier (`host_tier`).
@@ -19,10 +19,12 @@ from concurrent import futures
 from dataclasses import dataclass
 
 import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from glmserve.kv.block_index import BlockIndex, InMemoryBlockIndex
 from glmserve.kv.transfer import make_backend
 from glmserve.kv.transfer.timeouts import AGREED
+from glmserve.proto_gen.glmserve.kvstore.v1 import kvstore_pb2 as pb
 from glmserve.proto_gen.glmserve.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from glmserve.services.kvstore.host_tier import HostTier
 from glmserve.services.kvstore.metrics import KVStoreMetrics
@@ -115,6 +117,10 @@ def serve(config: KVStoreConfig, stop: threading.Event) -> None:
     add_process_metrics(metrics.registry, "kvstore")
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.threads))
     pb_grpc.add_KVStoreServicer_to_server(KVStoreServicer(index, metrics, host_tier), server)
+    probes = health.HealthServicer()  # grpc.health.v1: SERVING while this process serves
+    health_pb2_grpc.add_HealthServicer_to_server(probes, server)
+    for service in ("", pb.DESCRIPTOR.services_by_name["KVStore"].full_name):
+        probes.set(service, health_pb2.HealthCheckResponse.SERVING)
     port = server.add_insecure_port(f"{config.host}:{config.port}")
     http = None
     if config.metrics_port is not None:
@@ -133,8 +139,10 @@ def serve(config: KVStoreConfig, stop: threading.Event) -> None:
         while not stop.wait(0.5):  # short waits keep the main thread responsive to signals
             if host_tier is not None:
                 host_tier.expire()  # the lease timeout backstop
+                host_tier.sync_index()  # after a Redis restart, the host tier's blocks are indexed again
     finally:
         log.info("kvstore stopping")
+        probes.enter_graceful_shutdown()
         server.stop(config.grace_s).wait()
         if http is not None:
             http.close()

@@ -119,6 +119,14 @@ class RedisBlockIndex(BlockIndex):
         except Exception:  # any failure means "not usable now"; the contract says never raise
             return False
 
+    def epoch(self) -> str:
+        """Redis's ``run_id``: new at every Redis start, when its keys may be gone or restored
+        from an older snapshot."""
+        try:
+            return str(self._redis.info("server")["run_id"])
+        except Exception:  # unreachable (or a server without run_id): no epoch now
+            return ""
+
     def describe(self) -> str:
         return f"redis {redact_url(self._url)} (prefix {self._prefix!r})"
 

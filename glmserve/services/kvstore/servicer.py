@@ -8,6 +8,7 @@ nothing), and maps errors to status codes: ``ValueError`` -> INVALID_ARGUMENT,
 from __future__ import annotations
 
 import functools
+import uuid
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -58,6 +59,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         self.index = index
         self.metrics = metrics
         self.host_tier = host_tier
+        self.instance_id = uuid.uuid4().hex  # a restarted kvstore is a new instance
 
     def _host_tier(self) -> HostTier:
         if self.host_tier is None:
@@ -91,7 +93,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     def Health(self, request: pb.HealthRequest, context: grpc.ServicerContext) -> pb.HealthResponse:
         up = self.index.healthy()
         detail = "" if up else f"cannot reach the index backend: {self.index.describe()}"
-        return pb.HealthResponse(index_backend=self.index.backend, index_up=up, detail=detail)
+        return pb.HealthResponse(index_backend=self.index.backend, index_up=up, detail=detail,
+                                 instance_id=self.instance_id, index_epoch=self.index.epoch() if up else "")
 
 
     # -- host tier: thin adapters over HostTier ---------------------------------------------------
@@ -102,7 +105,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         target, num_blocks = host.attach(request.worker_id, request.transfer_kind, request.block_bytes,
                                          request.target_info, row_offset=request.row_offset,
                                          row_bytes=request.row_bytes)
-        return pb.HostAttachResponse(target_info=target, num_blocks=num_blocks, holder_id=host.holder_id)
+        return pb.HostAttachResponse(target_info=target, num_blocks=num_blocks, holder_id=host.holder_id,
+                                     instance_id=self.instance_id)
 
     @_rpc
     def HostLookup(self, request: pb.LookupRequest, context: grpc.ServicerContext) -> pb.HostLookupResponse:

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from glmserve.kv.transfer import make_backend
+from glmserve.proto_gen.glmserve.prefill.v1 import prefill_pb2 as pb
 from glmserve.proto_gen.glmserve.prefill.v1 import prefill_pb2_grpc as pb_grpc
 from glmserve.services.prefill.servicer import PrefillServicer
 from glmserve.services.prefill.stage_job import DEFAULT_STREAM_MIN_TOKENS
@@ -98,7 +99,8 @@ async def serve(config: PrefillConfig) -> int:
     servicer = PrefillServicer(worker, config.worker_id)
     return await serve_worker(config, worker, lambda server: pb_grpc.add_PrefillServicer_to_server(servicer, server),
                               worker.metrics.registry if worker.metrics is not None else None, publisher,
-                              f"prefill worker {config.worker_id} ({backend.kind} transfer)", role="prefill")
+                              f"prefill worker {config.worker_id} ({backend.kind} transfer)", role="prefill",
+                              service=pb.DESCRIPTOR.services_by_name["Prefill"].full_name)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -41,6 +41,7 @@ from glmserve.services.prefill.job import (
     PrefillResult,
     WorkerHealth,
     check_job,
+    drain_jobs,
 )
 from glmserve.services.prefill.stage_client import LocalStage, StageCallError, StagePort
 from glmserve.services.prefill.stage_job import DEFAULT_STREAM_MIN_TOKENS, StageJobSpec, StageOutcome
@@ -85,7 +86,7 @@ class StagedPrefill:
         self._background: set[asyncio.Task[object]] = set()
         self._stages_ready = not others
         self._watch: asyncio.Task[None] | None = None
-        self._closing = False
+        self._draining = self._closing = False
 
     @property
     def engine(self):
@@ -108,9 +109,24 @@ class StagedPrefill:
             self._stages_ready = all(answers)
             await asyncio.sleep(self._settings.health_interval_s)
 
+    def ready(self) -> bool:
+        """Decode workers may send prompts: every stage is ready, and the head is not draining."""
+        return self.health().ready
+
+    def live(self) -> bool:
+        """This stage's process can serve (another stage's death makes the replica not ready, not
+        this process dead: it comes back on its address)."""
+        return self._local.live()
+
+    async def drain(self, timeout_s: float, settle_s: float = 1.5) -> int:
+        """Not ready from now on; the jobs running, and those still routed here for ``settle_s``,
+        finish (`drain_jobs`). Returns how many still run (`close` aborts them on every stage)."""
+        self._draining = True
+        return await drain_jobs(lambda: len(self._jobs), timeout_s, settle_s)
+
     def health(self) -> WorkerHealth:
         s = self._local.engine.snapshot
-        ready = self._local.ready and self._stages_ready and not self._closing
+        ready = self._local.ready() and self._stages_ready and not (self._draining or self._closing)
         return WorkerHealth(ready, len(self._jobs), 0, s.free_blocks, s.cache_root, s.block_size)
 
     # --- prefill ----------------------------------------------------------------------------------

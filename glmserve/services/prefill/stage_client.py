@@ -83,7 +83,7 @@ class LocalStage:
         return (await self.worker.abort(request_id, generation, reason)).drained
 
     async def ready(self) -> bool:
-        return self.worker.ready
+        return self.worker.ready()
 
 
 _CODES = {

@@ -23,7 +23,7 @@ from glmserve.kv.block_index import stage_worker_id
 from glmserve.kv.transfer import make_backend
 from glmserve.model.config import GlmConfig
 from glmserve.model.layer_split import LayerSplitPlan, parse_layer_split, plan_layer_split
-from glmserve.proto_gen.glmserve.prefill.v1 import prefill_pb2_grpc, stage_pb2_grpc
+from glmserve.proto_gen.glmserve.prefill.v1 import prefill_pb2, prefill_pb2_grpc, stage_pb2, stage_pb2_grpc
 from glmserve.services.prefill.replica import ReplicaSettings, StagedPrefill
 from glmserve.services.prefill.servicer import PrefillServicer
 from glmserve.services.prefill.stage_client import GrpcStage
@@ -78,7 +78,8 @@ async def serve_stage(config: PrefillConfig) -> int:
         def add(server: grpc.aio.Server) -> None:
             stage_pb2_grpc.add_StageServicer_to_server(stage_servicer, server)
 
-        return await serve_worker(config, worker, add, None, publisher, name, role="prefill")
+        return await serve_worker(config, worker, add, None, publisher, name, role="prefill",
+                                  service=stage_pb2.DESCRIPTOR.services_by_name["Stage"].full_name)
     metrics = WorkerMetrics("prefill", config.worker_id, lambda: worker.engine.snapshot)
     others = [GrpcStage(a, k) for k, a in enumerate(addresses) if k > 0]
     head = StagedPrefill(worker, others, ReplicaSettings(kv.kind, config.chunk_tokens, config.stream_min_tokens),
@@ -89,4 +90,5 @@ async def serve_stage(config: PrefillConfig) -> int:
         prefill_pb2_grpc.add_PrefillServicer_to_server(prefill_servicer, server)
         stage_pb2_grpc.add_StageServicer_to_server(stage_servicer, server)
 
-    return await serve_worker(config, head, add_head, metrics.registry, publisher, name, role="prefill")
+    return await serve_worker(config, head, add_head, metrics.registry, publisher, name, role="prefill",
+                              service=prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name)

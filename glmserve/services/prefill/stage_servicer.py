@@ -99,6 +99,6 @@ class StageServicer(pb_grpc.StageServicer):
     async def Health(self, request: prefill_pb2.HealthRequest,
                      context: grpc.aio.ServicerContext) -> stage_pb2.StageHealthReply:
         w = self._worker
-        return stage_pb2.StageHealthReply(ready=w.ready, stage=w.settings.index, free_blocks=w.engine.snapshot.free_blocks,
+        return stage_pb2.StageHealthReply(ready=w.ready(), stage=w.settings.index, free_blocks=w.engine.snapshot.free_blocks,
                                           activation_target=w.activation_target, running=w.running)
 

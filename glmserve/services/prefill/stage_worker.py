@@ -39,10 +39,11 @@ from glmserve.kv.transfer import (
 )
 from glmserve.services.engine_host import EngineHost
 from glmserve.services.host_tier_link import HostTierLink, HostTierSettings, LoadAborted, Loaded
+from glmserve.services.liveness import EngineWatch
 from glmserve.services.prefill.activations import ActivationShape, ActivationSlots
 from glmserve.services.prefill.chunk_link import ChunkReceiver, ChunkSender
 from glmserve.services.prefill.history import PrefillHistory
-from glmserve.services.prefill.job import AbortOutcome
+from glmserve.services.prefill.job import AbortOutcome, drain_jobs
 from glmserve.services.prefill.stage_job import NextStage, StageJobSpec, StageOutcome, StageSettings
 from glmserve.services.prefill.stage_state import StageJobState, output_future
 from glmserve.services.prefill.write_control import request_cancel, wait_final
@@ -63,6 +64,7 @@ class StageWorker:
                  next_stage: NextStage | None, host: HostTierSettings | None = None) -> None:
         """``host``: this stage's slices of the kvstore's host tier (load-back, write-through)."""
         self._engine = EngineHost(engine_factory, name=f"stage-{settings.index}-engine")
+        self._watch = EngineWatch(self._engine)
         self._kv, self._act = kv_backend, activation_backend
         self.settings, self._next = settings, next_stage
         self._jobs: dict[tuple[str, int], StageJobState] = {}
@@ -76,7 +78,7 @@ class StageWorker:
         self._window: BlockWindow | None = None
         self._buffer: torch.Tensor | None = None
         self.activation_target = b""
-        self._closing = False
+        self._draining = self._closing = False
 
     @property
     def engine(self) -> EngineHost:
@@ -102,9 +104,19 @@ class StageWorker:
             self._receiver = ChunkReceiver(self.settings.index, self._slots, self._act)
         self.activation_target = self._act.target_info()
 
-    @property
     def ready(self) -> bool:
-        return self._slots is not None and self._engine.alive and not self._closing
+        """The head may send jobs (loaded, engine thread alive, not draining or closing)."""
+        return self._slots is not None and self._engine.alive and not (self._draining or self._closing)
+
+    def live(self) -> bool:
+        """The process can serve: its engine thread is alive and not stuck (`EngineWatch`)."""
+        return self._watch.live()
+
+    async def drain(self, timeout_s: float, settle_s: float = 1.5) -> int:
+        """Not ready from now on (the head's Health follows, so routers stop choosing the replica);
+        the jobs it has, and those the head still sends, run meanwhile (`drain_jobs`)."""
+        self._draining = True
+        return await drain_jobs(lambda: len(self._jobs), timeout_s, settle_s)
 
     @property
     def running(self) -> int:

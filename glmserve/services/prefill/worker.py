@@ -36,6 +36,7 @@ from glmserve.kv.transfer import KVTransferBackend, TransferError, TransferHandl
 from glmserve.services.engine_host import EngineHost
 from glmserve.services.host_metrics import HostTierMetrics
 from glmserve.services.host_tier_link import HostTierLink, HostTierSettings, LoadAborted, Loaded
+from glmserve.services.liveness import EngineWatch
 from glmserve.services.prefill.history import DEFAULT_TTL_S, PrefillHistory
 from glmserve.services.prefill.job import (
     AbortOutcome,
@@ -46,6 +47,7 @@ from glmserve.services.prefill.job import (
     PrefillResult,
     WorkerHealth,
     check_job,
+    drain_jobs,
 )
 from glmserve.services.prefill.write_control import request_cancel, wait_final
 from glmserve.services.worker_metrics import WorkerMetrics
@@ -82,6 +84,7 @@ class PrefillWorker:
         """``metrics``: builds the worker's metrics from its engine thread (for snapshot gauges).
         ``host_tier``: use the kvstore's host tier (load-back before prefill, write-through, demotion)."""
         self._engine = EngineHost(engine_factory, "prefill-engine")
+        self._watch = EngineWatch(self._engine)
         self.metrics = metrics(self._engine) if metrics is not None else None
         self.host_metrics = HostTierMetrics(self.metrics.registry) if self.metrics is not None else None
         self._host_tier = HostTierLink(host_tier, transfer, self._engine, self.host_metrics) if host_tier else None
@@ -91,7 +94,7 @@ class PrefillWorker:
         self._by_key: dict[str, _Job] = {}
         self._background: set[asyncio.Task[object]] = set()
         self._buffer: torch.Tensor | None = None
-        self._closing = False
+        self._draining = self._closing = False
 
     @property
     def engine(self) -> EngineHost:
@@ -106,9 +109,17 @@ class PrefillWorker:
         if self._host_tier is not None:
             await self._host_tier.start(self._buffer)
 
+    def ready(self) -> bool:
+        """Requests may be sent here (loaded, engine thread alive, not draining)."""
+        return self.health().ready
+
+    def live(self) -> bool:
+        """The process can serve: its engine thread is alive and not stuck (`EngineWatch`)."""
+        return self._watch.live()
+
     def health(self) -> WorkerHealth:
         s = self._engine.snapshot
-        ready = s.loaded and self._engine.alive and not self._closing
+        ready = s.loaded and self._engine.alive and not (self._draining or self._closing)
         # The snapshot is taken between engine steps, so a prompt computed in one step would never
         # show as running there; the job table holds every accepted job from its start to its end.
         running = max(s.running + s.held, len(self._jobs) - s.waiting)
@@ -285,6 +296,12 @@ class PrefillWorker:
         task = asyncio.create_task(self.abort(request_id, generation, "caller cancelled", "caller_cancelled"))
         self._background.add(task)  # a reference, so the task is not collected mid-way
         task.add_done_callback(self._background.discard)
+
+    async def drain(self, timeout_s: float, settle_s: float = 1.5) -> int:
+        """Health says not ready from now on, so routers stop choosing this worker; then
+        `drain_jobs`. Returns how many jobs still run (`close` aborts them)."""
+        self._draining = True
+        return await drain_jobs(lambda: len(self._jobs), timeout_s, settle_s)
 
     async def close(self) -> None:
         """Abort every job (drained or failed), then stop the engine and the transfer backend."""

@@ -150,7 +150,10 @@ class DisaggregatedBackend(GenerationBackend):
             stream.call.cancel()  # decode sees the cancellation and aborts prefill and transfer
 
     def readiness_detail(self) -> dict[str, Any]:
-        return {"prefix_index": self.prefix_router.index_source()}
+        """For ``/ready``: where prefix lookups come from, and per role how many workers are healthy."""
+        workers = {p.kind: {"healthy": sum(v.healthy for v in p.views()), "total": len(p.addresses)}
+                   for p in (self.prefill_pool, self.decode_pool)}
+        return {"prefix_index": self.prefix_router.index_source(), "workers": workers}
 
     def metrics_registry(self) -> Any:
         self.prefix_router.refresh_index_gauge()

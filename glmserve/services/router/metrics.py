@@ -17,7 +17,10 @@ from glmserve.services.metrics_exposition import add_process_metrics, labelled, 
 
 ENDPOINTS = {"/v1/chat/completions": "chat_completions", "/v1/completions": "completions", "/v1/models": "models"}
 FINISH_REASONS = ("stop", "length")
-REJECTION_REASONS = ("no_worker",)  # 503 while no prefill or decode worker is ready
+# no_worker: 503 while no prefill or decode worker is ready; the rest: the admission queue
+# (`admission.py`) and the edge limits (413 too_large, 400 invalid)
+REJECTION_REASONS = ("no_worker", "queue_full", "tenant_cap", "queue_timeout", "draining", "gone",
+                     "too_large", "invalid")
 
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12)

@@ -89,14 +89,18 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("index_backend", "index_up", "detail")
+    __slots__ = ("index_backend", "index_up", "detail", "instance_id", "index_epoch")
     INDEX_BACKEND_FIELD_NUMBER: _ClassVar[int]
     INDEX_UP_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    INDEX_EPOCH_FIELD_NUMBER: _ClassVar[int]
     index_backend: str
     index_up: bool
     detail: str
-    def __init__(self, index_backend: _Optional[str] = ..., index_up: _Optional[bool] = ..., detail: _Optional[str] = ...) -> None: ...
+    instance_id: str
+    index_epoch: str
+    def __init__(self, index_backend: _Optional[str] = ..., index_up: _Optional[bool] = ..., detail: _Optional[str] = ..., instance_id: _Optional[str] = ..., index_epoch: _Optional[str] = ...) -> None: ...
 
 class HostAttachRequest(_message.Message):
     __slots__ = ("worker_id", "transfer_kind", "block_bytes", "target_info", "row_offset", "row_bytes")
@@ -115,14 +119,16 @@ class HostAttachRequest(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., transfer_kind: _Optional[str] = ..., block_bytes: _Optional[int] = ..., target_info: _Optional[bytes] = ..., row_offset: _Optional[int] = ..., row_bytes: _Optional[int] = ...) -> None: ...
 
 class HostAttachResponse(_message.Message):
-    __slots__ = ("target_info", "num_blocks", "holder_id")
+    __slots__ = ("target_info", "num_blocks", "holder_id", "instance_id")
     TARGET_INFO_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     HOLDER_ID_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     target_info: bytes
     num_blocks: int
     holder_id: str
-    def __init__(self, target_info: _Optional[bytes] = ..., num_blocks: _Optional[int] = ..., holder_id: _Optional[str] = ...) -> None: ...
+    instance_id: str
+    def __init__(self, target_info: _Optional[bytes] = ..., num_blocks: _Optional[int] = ..., holder_id: _Optional[str] = ..., instance_id: _Optional[str] = ...) -> None: ...
 
 class HostLookupResponse(_message.Message):
     __slots__ = ("num_blocks",)

@@ -1,0 +1,230 @@
+"""kill -9 of each role under `glmserve serve`, with streams in flight (the real `openai` client).
+
+One launcher (kvstore, a prefill worker, two decode workers, the router; NIXL where it imports)
+for the module. For each role: streams run, the role's process is killed with SIGKILL; the
+streams that were not on it finish with exactly the text of an unloaded run (greedy), those that
+were end with an OpenAI error within seconds; the launcher restarts the process on the same
+address and the platform serves again. The launcher never stops on its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import httpx
+import openai
+import pytest
+from listening_sockets import listening_addresses, non_loopback
+from worker_fixtures import HAS_MODEL, MODEL_DIR, REPO
+
+from glmserve.proto_gen.glmserve.decode.v1 import decode_pb2 as decode_pb
+from glmserve.proto_gen.glmserve.decode.v1 import decode_pb2_grpc as decode_grpc
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not HAS_MODEL, reason=f"no model at {MODEL_DIR}")]
+
+ERROR_WITHIN_S = 5.0
+
+
+class Platform:
+    """`glmserve serve` as a subprocess; its stdout lines tell pids, addresses and restarts."""
+
+    def __init__(self, log: Path) -> None:
+        cmd = [sys.executable, "-m", "glmserve.cli", "serve", "--model", str(MODEL_DIR), "--port", "0",
+               "--prefill-workers", "1", "--decode-workers", "2", "--ready-timeout", "300",
+               "--drain-timeout", "5", "--host-tier-bytes", str(32 << 20)]
+        env = {**os.environ, "PYTHONPATH": str(REPO), "NIXL_LOG_LEVEL": "WARN", "OMP_NUM_THREADS": "1"}
+        self.log = log.open("w")
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=self.log, text=True)
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.pids: dict[str, int] = {}
+        self.addresses: dict[str, str] = {}
+        self.url = ""
+        threading.Thread(target=lambda: [self.lines.put(line) for line in self.proc.stdout], daemon=True).start()
+        self.expect(r"serving \S+ at (http://\S+)/v1", timeout_s=400)
+
+    def expect(self, pattern: str, timeout_s: float = 60.0) -> re.Match[str]:
+        """Read stdout lines until one matches ``pattern`` (pids and addresses noted on the way)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            assert self.proc.poll() is None, f"the launcher exited with {self.proc.returncode}"
+            assert time.monotonic() < deadline, f"no line matching {pattern!r}"
+            try:
+                line = self.lines.get(timeout=1)
+            except queue.Empty:
+                continue
+            if m := re.search(r"glmserve: (\S+)\s+(\S+)\s+\(.*pid (\d+)\)", line):
+                self.addresses[m.group(1)], self.pids[m.group(1)] = m.group(2), int(m.group(3))
+            if m := re.search(r"glmserve: (\S+) restarted \(pid (\d+)", line):
+                self.pids[m.group(1)] = int(m.group(2))
+            if m := re.search(r"serving \S+ at (http://\S+)/v1", line):
+                self.url = m.group(1)
+            if m := re.search(pattern, line):
+                return m
+
+    def kill(self, name: str) -> float:
+        os.kill(self.pids[name], signal.SIGKILL)
+        return time.monotonic()
+
+    def running(self, name: str) -> int:
+        with grpc.insecure_channel(self.addresses[name]) as channel:
+            return decode_grpc.DecodeStub(channel).Health(decode_pb.HealthRequest(), timeout=5).running
+
+    def ready(self) -> dict:
+        return httpx.get(f"{self.url}/ready", timeout=5).json()
+
+    def stop(self) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(120)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+            self.log.close()
+
+
+@pytest.fixture(scope="module")
+def platform(tmp_path_factory):
+    p = Platform(tmp_path_factory.mktemp("serve") / "serve.log")
+    try:
+        yield p
+    finally:
+        assert p.stop() == 0
+
+
+@dataclass
+class Result:
+    text: str = ""
+    chunks: int = 0
+    finish_reason: str | None = None
+    error: Exception | None = None
+    ended_at: float = 0.0
+
+
+async def _stream(client: openai.AsyncOpenAI, content: str, max_tokens: int, out: Result) -> Result:
+    try:
+        stream = await client.chat.completions.create(
+            model=MODEL_DIR.name, messages=[{"role": "user", "content": content}], max_tokens=max_tokens,
+            temperature=0, stream=True, extra_body={"ignore_eos": True})
+        async for chunk in stream:
+            if chunk.choices:
+                delta = chunk.choices[0].delta.content or ""
+                out.text += delta
+                out.finish_reason = chunk.choices[0].finish_reason or out.finish_reason
+                out.chunks += bool(delta)  # tokens, not the role chunk that precedes them
+    except (openai.APIError, httpx.HTTPError) as e:
+        out.error = e
+    out.ended_at = time.monotonic()
+    return out
+
+
+def _client(platform: Platform) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{platform.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+async def _run_and_kill(platform: Platform, prompts: list[str], max_tokens: int, victim: str,
+                        when: Callable[[list[Result]], bool]) -> tuple[list[Result], float]:
+    partial = [Result() for _ in prompts]
+    async with _client(platform) as client:
+        tasks = [asyncio.ensure_future(_stream(client, p, max_tokens, r)) for p, r in zip(prompts, partial, strict=True)]
+        deadline = time.monotonic() + 120
+        while not await asyncio.to_thread(when, partial):
+            assert time.monotonic() < deadline and not any(t.done() for t in tasks), partial
+            await asyncio.sleep(0.02)
+        killed = platform.kill(victim)
+        return await asyncio.gather(*tasks), killed
+
+
+async def _solo(platform: Platform, prompts: list[str], max_tokens: int) -> list[Result]:
+    async with _client(platform) as client:
+        return [await _stream(client, p, max_tokens, Result()) for p in prompts]
+
+
+def _back(platform: Platform, name: str) -> None:
+    platform.expect(rf"glmserve: {re.escape(name)} is back at", timeout_s=300)
+    deadline = time.monotonic() + 60
+    while not _all_healthy(platform):
+        assert time.monotonic() < deadline, platform.ready()
+        time.sleep(0.2)
+
+
+def _all_healthy(platform: Platform) -> bool:
+    try:
+        r = platform.ready()
+    except httpx.HTTPError:
+        return False
+    counts = r.get("workers", {})
+    whole = all(c["healthy"] == c["total"] for c in counts.values()) and len(counts) == 2
+    return r.get("status") == "ready" and r.get("prefix_index") == "kvstore" and whole
+
+
+def test_every_listener_of_every_service_is_on_loopback(platform: Platform) -> None:
+    """DESIGN invariant 9, for the whole platform: gRPC, HTTP, metrics and KV transfer (NIXL/UCX or
+    TCP) listeners of every child bind 127.0.0.1 only."""
+    assert set(platform.pids) == {"kvstore", "prefill-0", "decode-0", "decode-1", "router"}
+    asyncio.run(_solo(platform, PROMPTS[:1], 4))  # transfers have happened: every listener is open
+    for name, pid in platform.pids.items():
+        opened = listening_addresses(pid)
+        assert opened and not non_loopback(opened), (name, opened)
+
+
+PROMPTS = [f"Explain item {i} of the list in json/decoder.py." for i in range(6)]
+
+
+def test_decode_worker_killed_mid_stream_others_finish_and_it_comes_back(platform: Platform) -> None:
+    reference = asyncio.run(_solo(platform, PROMPTS, 80))
+    both_busy = lambda rs: all(r.chunks for r in rs) and platform.running("decode-0") > 0  # noqa: E731
+    results, killed = asyncio.run(_run_and_kill(platform, PROMPTS, 80, "decode-0", both_busy))
+    failed = [r for r in results if r.error is not None]
+    assert failed and len(failed) < len(results)
+    # Until it is back, /ready says one decode worker of two is healthy, and still serves.
+    assert platform.ready()["workers"]["decode"] == {"healthy": 1, "total": 2}
+    for r, ref in zip(results, reference, strict=True):
+        if r.error is None:
+            assert (r.finish_reason, r.text) == ("length", ref.text)
+        else:
+            assert r.ended_at - killed < ERROR_WITHIN_S and str(r.error)
+    _back(platform, "decode-0")
+    assert [r.text for r in asyncio.run(_solo(platform, PROMPTS[:2], 80))] == [r.text for r in reference[:2]]
+
+
+def test_prefill_worker_killed_streams_already_decoding_finish(platform: Platform) -> None:
+    reference = asyncio.run(_solo(platform, PROMPTS, 150))  # long enough: all decode at once
+    results, killed = asyncio.run(_run_and_kill(platform, PROMPTS, 150, "prefill-0",
+                                                lambda rs: all(r.chunks for r in rs)))
+    for r, ref in zip(results, reference, strict=True):  # decode needs no prefill worker any more
+        assert (r.error, r.finish_reason, r.text) == (None, "length", ref.text)
+    _back(platform, "prefill-0")
+    assert asyncio.run(_solo(platform, PROMPTS[:1], 150))[0].text == reference[0].text
+
+
+def test_kvstore_killed_nothing_fails_and_the_index_comes_back(platform: Platform) -> None:
+    reference = asyncio.run(_solo(platform, PROMPTS, 60))
+    results, _ = asyncio.run(_run_and_kill(platform, PROMPTS, 60, "kvstore", lambda rs: any(r.chunks for r in rs)))
+    for r, ref in zip(results, reference, strict=True):  # the kvstore is not on the data path
+        assert (r.error, r.finish_reason, r.text) == (None, "length", ref.text)
+    _back(platform, "kvstore")  # includes /ready's prefix_index back on "kvstore"
+    again = asyncio.run(_solo(platform, PROMPTS[:1], 60))[0]
+    assert again.text == reference[0].text
+
+
+def test_router_killed_comes_back_on_its_port(platform: Platform) -> None:
+    url = platform.url
+    reference = asyncio.run(_solo(platform, PROMPTS[:2], 40))
+    results, killed = asyncio.run(_run_and_kill(platform, PROMPTS[:2], 400, "router",
+                                                lambda rs: all(r.chunks for r in rs)))
+    assert all(r.error is not None for r in results)  # the router held their connections
+    _back(platform, "router")
+    assert platform.url == url
+    assert [r.text for r in asyncio.run(_solo(platform, PROMPTS[:2], 40))] == [r.text for r in reference]
