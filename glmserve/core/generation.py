@@ -11,7 +11,7 @@ decode, both proto converters and every router backend carry unchanged (DESIGN i
   "error": generation failed (the event's ``error`` says why).
 - `TokenEvent`: new output of one request since its previous event (see its docstring).
 
-This module imports nothing else of glmserve and never torch (the router imports it).
+This module imports only `glmserve.core` and never torch (the router imports it).
 """
 
 from __future__ import annotations
@@ -20,10 +20,14 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from glmserve.core.grammar_spec import GrammarSpec
+
 # Below this temperature we take the argmax: dividing logits by it would overflow float32.
 GREEDY_TEMPERATURE = 1e-5
 MAX_STOP_STRINGS = 16
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0  # |bias| at most, as OpenAI allows
+MAX_PENALTY = 2.0  # |presence_penalty|, |frequency_penalty| at most, as OpenAI allows
 MAX_VISIBLE_SPECIAL_TOKENS = 64
 # The range torch.Generator.manual_seed accepts.
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
@@ -55,7 +59,17 @@ class SamplingParams:
     - ``visible_special_tokens``: special tokens (by their text, e.g. ``"<tool_call>"``) that stay in
       the output text; every other special token is hidden. The router keeps the tool-call markup
       visible when a request has tools, so its parser sees the calls.
+    - ``min_p``: drop tokens whose probability (after temperature) is below ``min_p`` times the
+      most likely one's; 0 = off.
+    - ``repetition_penalty``: > 0; logits of tokens already in the prompt or the output are divided
+      by it when positive, multiplied when negative (1 = off).
+    - ``presence_penalty`` / ``frequency_penalty``: in [-2, 2]; subtracted from the logit of each
+      token generated so far, once / once per occurrence (0 = off).
+    - ``logit_bias``: (token id, bias in [-100, 100]) pairs added to the logits (a dict is accepted).
+    - ``grammar``: the output must match it (`GrammarSpec`); None = free.
 
+    Order of processing: grammar mask, logit_bias, repetition, presence and frequency penalties (on
+    the logits, greedy rows too), then temperature, min_p, top-k, top-p (sampled rows).
     Sequences (lists) are stored as tuples so the object stays hashable.
     """
 
@@ -69,11 +83,21 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     visible_special_tokens: tuple[str, ...] = ()
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    grammar: GrammarSpec | None = None
 
     def __post_init__(self) -> None:
         # Normalise list inputs to tuples before validating (frozen: bypass __setattr__).
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
+        if isinstance(self.logit_bias, dict):
+            object.__setattr__(self, "logit_bias", tuple(sorted(self.logit_bias.items())))
+        elif isinstance(self.logit_bias, list):
+            object.__setattr__(self, "logit_bias", tuple(tuple(pair) for pair in self.logit_bias))
         for name in ("stop", "stop_token_ids", "visible_special_tokens"):
             value = getattr(self, name)
             if isinstance(value, list):
@@ -113,6 +137,25 @@ class SamplingParams:
             raise ValueError(f"visible_special_tokens: must be a sequence of non-empty strings, got {visible!r}")
         if len(visible) > MAX_VISIBLE_SPECIAL_TOKENS:
             raise ValueError(f"visible_special_tokens: at most {MAX_VISIBLE_SPECIAL_TOKENS}, got {len(visible)}")
+        self._validate_processing()
+
+    def _validate_processing(self) -> None:
+        if not _is_real(self.min_p) or not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p: must be in [0, 1], got {self.min_p!r}")
+        if not _is_real(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty: must be a number > 0, got {self.repetition_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_real(value) or abs(value) > MAX_PENALTY:
+                raise ValueError(f"{name}: must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value!r}")
+        if not isinstance(self.logit_bias, tuple) or not all(
+            isinstance(p, tuple) and len(p) == 2 and _is_int(p[0]) and p[0] >= 0 and _is_real(p[1])
+            and abs(p[1]) <= MAX_LOGIT_BIAS for p in self.logit_bias
+        ):
+            raise ValueError(f"logit_bias: must map token ids >= 0 to biases in [-{MAX_LOGIT_BIAS:g}, "
+                             f"{MAX_LOGIT_BIAS:g}], got {self.logit_bias!r}")
+        if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
+            raise ValueError(f"grammar: must be a GrammarSpec or None, got {type(self.grammar).__name__}")
 
     @property
     def is_greedy(self) -> bool:
@@ -122,6 +165,16 @@ class SamplingParams:
     @property
     def top_k_enabled(self) -> bool:
         return self.top_k >= 1
+
+    @property
+    def has_penalties(self) -> bool:
+        """Logits depend on the tokens so far (repetition, presence or frequency penalty)."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Anything applies to the logits before the sampler (grammar, bias, penalties)."""
+        return self.grammar is not None or bool(self.logit_bias) or self.has_penalties
 
 
 def check_prompt(prompt_ids: list[int], params: SamplingParams, vocab_size: int, max_positions: int) -> None:

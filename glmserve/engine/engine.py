@@ -32,6 +32,7 @@ from glmserve.engine.engine_stats import EngineLimits, EngineLoad, EngineStats
 from glmserve.engine.handoff import HeldPrefill, PrefillOutput
 from glmserve.engine.host_offload import HostOffload, HostWrite, attach_host_offload
 from glmserve.engine.kv_cache_manager import KVCacheManager, prefix_cache_root
+from glmserve.engine.logits_processor import LogitsProcessor
 from glmserve.engine.model_runner import ModelRunner
 from glmserve.engine.mtp_drafter import MTPDrafter
 from glmserve.engine.rejection_sampler import verify
@@ -60,9 +61,11 @@ class Engine:
         revision: str = "",
         tokenizer: Tokenizer | None = None,
         tokenizer_digest: str | None = None,
+        grammars=None,
     ):
         """``revision`` / ``tokenizer_digest`` enter the prefix-cache root, so KV is only reused for
-        the same weights and token meaning (``from_model_dir`` computes both from the files)."""
+        the same weights and token meaning (``from_model_dir`` computes both from the files).
+        ``grammars``: a compiled-grammar cache to share (`GrammarCache` of the same tokenizer)."""
         config = config or EngineConfig()
         self.model = model
         self.tokenizer = tokenizer
@@ -83,12 +86,13 @@ class Engine:
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_step_tokens), self.kv)
         self.runner = ModelRunner(model, self.cache)
         self.sampler = Sampler()
+        self.logits_processor = LogitsProcessor(tokenizer, model.config.vocab_size, grammars)
         self.drafter: MTPDrafter | None = None
         if use_mtp:
             max_drafts = config.max_drafts if config.mtp == "auto" else int(config.mtp)
             self.drafter = MTPDrafter(self.runner, self.kv, self.scheduler, max_drafts,
                                       None if config.mtp == "auto" else max_drafts,
-                                      model.config.index_share_for_mtp_iteration)
+                                      model.config.index_share_for_mtp_iteration, self.logits_processor)
         self.requests: dict[str, Request] = {}
         self.held: dict[str, Request] = {}  # finished, blocks kept (prefill-only requests)
         self.reserved: dict[str, list[int]] = {}  # blocks allocated for KV that another worker writes
@@ -133,6 +137,7 @@ class Engine:
     def _new_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                      cache_salt: str | None, **fields) -> Request:
         req = Request(request_id, list(prompt_ids), params, cache_salt=cache_salt or None, **fields)
+        self.logits_processor.attach(req)  # ValueError naming the field: nothing is kept
         req.stop_checker = StopChecker(params, self.eos_ids)
         if self.tokenizer is not None:
             req.output_text = OutputText(self.tokenizer, params, req.stop_checker)
@@ -218,13 +223,14 @@ class Engine:
         """Continue a request whose prompt KV (main and MTP layers) is in its reserved blocks.
 
         Returns the first token's event (it may already finish). Raises ``ValueError`` (the
-        reservation stays) when ``prefilled.mtp_hidden`` does not fit this model."""
+        reservation stays) when ``prefilled.mtp_hidden`` does not fit this model or the sampling
+        parameters cannot apply here (a grammar that does not compile)."""
         hidden_size = self.model.config.hidden_size
         if len(prefilled.mtp_hidden) != 4 * hidden_size:
             raise ValueError(f"mtp_hidden: {len(prefilled.mtp_hidden)} bytes, expected float32 [{hidden_size}]")
         last_hidden = torch.frombuffer(bytearray(prefilled.mtp_hidden), dtype=torch.float32).to(self.model.dtype)
-        blocks = self.reserved.pop(request_id)
         req = self._new_request(request_id, prompt_ids, params, cache_salt)
+        blocks = self.reserved.pop(request_id)
         req.block_ids = blocks
         req.num_computed = len(prompt_ids)
         req.mtp_synced = len(prompt_ids) - 1
@@ -278,11 +284,12 @@ class Engine:
         draft_counts = {len(w.request.drafts) for w in work if w.is_decode}
         pure_decode = all(w.is_decode for w in work) and len(draft_counts) == 1
         main = self.runner.run_main(work)
-        verified = self._verify(work, main.logits)
+        logits = self.logits_processor.adjust(work, main.logits)  # grammar, bias, penalties (a copy)
+        verified = self._verify(work, logits)
         outputs, to_draft, gained = [], [], 0
         for i, w in enumerate(work):
             req, start, was_decode = w.request, w.request.num_computed, w.is_decode
-            new_tokens = self._advance(w, main.logits[i], verified.get(i))
+            new_tokens = self._advance(w, logits[i], verified.get(i))
             gained += len(new_tokens)
             if not was_decode and main.logits[i] is not None:
                 req.last_hidden = main.hidden[i][-1].clone()
@@ -357,6 +364,7 @@ class Engine:
             top_logprobs = [list(prefilled.first_top_logprobs)] if req.params.logprobs else []
         else:
             logprobs, top_logprobs = self._logprobs(req, kept, logits)
+        self.logits_processor.kept(req, kept)
         req.append_output(kept)
         req.output_logprobs.extend(logprobs)
         req.output_top_logprobs.extend(top_logprobs)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from glmserve.engine.kv_cache_manager import KVCacheManager
+from glmserve.engine.logits_processor import LogitsProcessor
 from glmserve.engine.model_runner import ModelRunner
 from glmserve.engine.request import Request
 from glmserve.engine.sampler import processed_probs
@@ -30,11 +31,14 @@ DraftItem = tuple[Request, int, torch.Tensor, bool]
 
 class MTPDrafter:
     """``max_drafts``: the most drafts per step; ``fixed_drafts``: always that many (None: the policy
-    chooses); ``share_topk``: the model's ``index_share_for_mtp_iteration``."""
+    chooses); ``share_topk``: the model's ``index_share_for_mtp_iteration``; ``logits``: the
+    engine's `LogitsProcessor` (drafts are chosen under each request's grammar, so they always
+    follow it and verification has the mask of every drafted position)."""
 
     def __init__(self, runner: ModelRunner, kv: KVCacheManager, scheduler: Scheduler, max_drafts: int,
-                 fixed_drafts: int | None, share_topk: bool) -> None:
+                 fixed_drafts: int | None, share_topk: bool, logits: LogitsProcessor | None = None) -> None:
         self.runner, self.kv, self.scheduler = runner, kv, scheduler
+        self.logits = logits
         self.policy = SpecPolicy(max_drafts)
         self.fixed_drafts = fixed_drafts
         self._share_topk = share_topk
@@ -110,7 +114,10 @@ class MTPDrafter:
                 topk = result.topk
 
     def _propose(self, req: Request, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
-        if req.params.is_greedy:
-            return int(logits.argmax()), None
-        q = processed_probs(logits[None], [req.params])[0]
-        return int(torch.multinomial(q, 1, generator=req.generator)), q
+        if self.logits is not None:
+            logits = self.logits.draft_logits(req, logits)
+        q = None if req.params.is_greedy else processed_probs(logits[None], [req.params])[0]
+        token = int(logits.argmax()) if q is None else int(torch.multinomial(q, 1, generator=req.generator))
+        if self.logits is not None:
+            self.logits.drafted(req, token)
+        return token, q

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -32,6 +33,7 @@ class Request:
     - `mtp_pending`: main-model hidden rows of positions mtp_synced.. not yet run through the MTP layer
       (steps that drafted nothing); they are caught up when drafting resumes.
     - `drafts` / `draft_probs`: MTP proposals for the tokens after the pending one, verified next step.
+    - `logits`: what processes its logits before sampling (grammar, penalties, bias; `LogitsProcessor`).
     """
 
     request_id: str
@@ -62,6 +64,7 @@ class Request:
     last_hidden: torch.Tensor | None = None  # normed hidden state of the last prompt token (MTP seed)
     stop_checker: StopChecker | None = None
     output_text: OutputText | None = None  # set when the engine has a tokenizer
+    logits: Any = None  # a logits_processor.RequestLogits, or None when nothing applies
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:

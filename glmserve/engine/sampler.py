@@ -1,7 +1,11 @@
 """Sampler: a batch of logits plus per-request SamplingParams -> the next token of each request.
 
 Processing order for sampled rows (the same everywhere, so speculative decoding can compare the
-target and draft distributions): temperature, then top-k, then top-p, all in float32.
+target and draft distributions): temperature, then min-p, then top-k, then top-p, all in float32.
+(Grammar masks, logit bias and penalties come before, in `logits_adjust`.)
+
+- min-p drops every token whose probability is below ``min_p`` times the most likely token's
+  (compared as logits: ``x < max(x) + log(min_p)``).
 
 - top-k keeps every token whose scaled logit is >= the k-th largest one (ties at the threshold are
   all kept, so more than k tokens survive only when logits tie exactly).
@@ -19,6 +23,7 @@ other requests share the batch.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -92,11 +97,15 @@ def _split(params: Sequence[SamplingParams]) -> tuple[list[int], list[int]]:
 
 
 def _filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    """Temperature, top-k, top-p for non-greedy rows: float32 logits [N, V] -> probs [N, V]."""
+    """Temperature, min-p, top-k, top-p for non-greedy rows: float32 logits [N, V] -> probs [N, V]."""
     n, vocab = logits.shape
     device = logits.device
     temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
     x = logits / temps.unsqueeze(1)
+    if any(p.min_p > 0 for p in params):
+        log_min_p = torch.tensor([math.log(p.min_p) if p.min_p > 0 else -math.inf for p in params],
+                                 dtype=torch.float32, device=device)
+        x = x.masked_fill(x < x.max(dim=-1, keepdim=True).values + log_min_p.unsqueeze(1), float("-inf"))
     ks = [min(p.top_k, vocab) if p.top_k_enabled else vocab for p in params]
     need_k = any(k < vocab for k in ks)
     need_p = any(p.top_p < 1 for p in params)

@@ -37,6 +37,7 @@ from glmserve.engine.engine_stats import EngineLimits, EngineLoad, EngineStats
 from glmserve.engine.handoff import PrefillOutput
 from glmserve.engine.host_offload import HostOffload, HostWrite, attach_host_offload
 from glmserve.engine.kv_cache_manager import KVCacheManager, prefix_cache_root
+from glmserve.engine.logits_processor import LogitsProcessor
 from glmserve.engine.model_runner import ModelRunner
 from glmserve.engine.request import Request
 from glmserve.engine.sampler import Sampler
@@ -47,6 +48,7 @@ from glmserve.model.kv_layout import KVLayout
 from glmserve.model.loader import load_model
 from glmserve.model.paged_cache import PagedKVCache
 from glmserve.model.revision import model_revision
+from glmserve.text.tokenizer import Tokenizer
 from glmserve.text.tokenizer_digest import tokenizer_digest
 
 
@@ -100,7 +102,8 @@ class _Job:
 
 class StageEngine:
     def __init__(self, model: GlmForCausalLM, config: EngineConfig, revision: str = "",
-                 tokenizer_digest: str | None = None) -> None:
+                 tokenizer_digest: str | None = None, tokenizer: Tokenizer | None = None) -> None:
+        """``tokenizer``: the last stage's, for grammars (the first token is sampled there)."""
         self.model, self.config = model, config
         self.layers = model.layer_range
         self.use_mtp = model.has_mtp and config.mtp != "off"
@@ -121,6 +124,7 @@ class StageEngine:
         self.kv = KVCacheManager(self.pool, config.block_size, root)
         self.runner = ModelRunner(model, self.cache)
         self.sampler = Sampler()
+        self.logits_processor = LogitsProcessor(tokenizer, model.config.vocab_size)
         self.jobs: dict[str, _Job] = {}
         self.stats = EngineStats()
 
@@ -130,8 +134,9 @@ class StageEngine:
         """A stage holding ``layers`` of the checkpoint (only those weights are read), keyed like a
         whole-model `Engine` of the same directory (`Engine.from_model_dir`)."""
         model = load_model(model_dir, layers=layers, dtype=dtype)
+        tokenizer = Tokenizer.from_dir(model_dir) if model.is_last else None
         return cls(model, EngineConfig(**config), revision=model_revision(model_dir, revision),
-                   tokenizer_digest=tokenizer_digest(model_dir))
+                   tokenizer_digest=tokenizer_digest(model_dir), tokenizer=tokenizer)
 
     # --- what an `EngineHost` and the services read: the same public surface as `Engine` ---------
 
@@ -187,6 +192,8 @@ class StageEngine:
         c = self.model.config
         check_prompt(prompt_ids, params, c.vocab_size, c.max_position_embeddings)
         req = Request(key, list(prompt_ids), params, hold_blocks=True, cache_salt=cache_salt or None)
+        if self.model.is_last:
+            self.logits_processor.attach(req)  # ValueError naming the field (a grammar that does not compile)
         self.kv.match_prefix(req)
         self.jobs[key] = _Job(req)
         return req.num_computed
@@ -240,15 +247,16 @@ class StageEngine:
         handoff = None
         if req.num_computed == len(req.prompt_ids):
             logits = self.model.logits(normed[-1:]).float()
-            sample = self.sampler.sample(logits, [req.params], [req.generator])
+            processed = self.logits_processor.first_token_logits(req, logits)  # grammar, bias, penalties
+            sample = self.sampler.sample(processed, [req.params], [req.generator])
             token = int(sample.token_ids[0])
             req.append_output([token])
-            asked = req.params.logprobs is not None
+            logprob, top = _raw_logprobs(logits[0], token, req.params.logprobs)
             handoff = PrefillOutput(
                 first_token=token,
                 mtp_hidden=normed[-1].detach().float().contiguous().numpy().tobytes(),
-                first_logprob=float(sample.logprobs[0]) if asked else None,
-                first_top_logprobs=sample.top_logprobs[0] or [],
+                first_logprob=logprob,
+                first_top_logprobs=top,
                 num_cached_tokens=req.num_cached_prompt,
             )
             self.stats.prompt_tokens += len(req.prompt_ids)
@@ -281,3 +289,14 @@ class StageEngine:
             return False
         self.kv.free(job.request)
         return True
+
+
+def _raw_logprobs(logits: torch.Tensor, token: int, n: int | None) -> tuple[float | None, list[tuple[int, float]]]:
+    """The chosen token's logprob and the ``n`` most likely (id, logprob) under the model's own
+    distribution (before grammar, bias or penalties), as `Engine` reports them; None / [] unasked."""
+    if n is None:
+        return None, []
+    row = torch.log_softmax(logits.float(), dim=-1)
+    top = row.topk(n) if n else None
+    pairs = list(zip(top.indices.tolist(), top.values.tolist(), strict=True)) if top is not None else []
+    return float(row[token]), pairs

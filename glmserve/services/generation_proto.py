@@ -5,7 +5,8 @@ crosses; nothing is recomputed on the other side (DESIGN invariant 10).
 
 proto3 cannot tell an unset scalar from its zero, so two zeros read as "unset":
 ``top_p`` 0 means 1.0 (off) and ``top_k`` 0 means -1 (off); ``temperature`` 0 is greedy, as in
-`SamplingParams`. A seed travels as int64: seeds >= 2**63 wrap to negative, which seeds torch's
+`SamplingParams`; ``repetition_penalty`` is optional (unset: 1.0). The grammar travels as its
+`GrammarSpec` fields (schema and tools as JSON text), so every worker compiles the same grammar. A seed travels as int64: seeds >= 2**63 wrap to negative, which seeds torch's
 generator identically (it reads the seed as uint64). Everything else maps one to one, and
 ``sampling_from_proto`` validates through `SamplingParams` (``ValueError`` naming the field: the
 servicers answer INVALID_ARGUMENT). Logprobs travel as float32.
@@ -14,6 +15,7 @@ servicers answer INVALID_ARGUMENT). Logprobs travel as float32.
 from __future__ import annotations
 
 from glmserve.core.generation import FINISH_REASONS, SamplingParams, TokenEvent, TopLogprobs
+from glmserve.core.grammar_spec import GrammarSpec
 from glmserve.proto_gen.glmserve.common.v1 import generation_pb2 as common_pb
 from glmserve.proto_gen.glmserve.decode.v1 import decode_pb2 as decode_pb
 
@@ -28,7 +30,15 @@ def sampling_to_proto(params: SamplingParams) -> common_pb.Sampling:
         stop=list(params.stop),
         ignore_eos=params.ignore_eos,
         visible_special_tokens=list(params.visible_special_tokens),
+        min_p=params.min_p,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        logit_bias=[common_pb.LogitBias(token_id=t, bias=b) for t, b in params.logit_bias],
     )
+    if params.repetition_penalty != 1.0:
+        message.repetition_penalty = params.repetition_penalty
+    if params.grammar is not None:
+        message.grammar.CopyFrom(grammar_to_proto(params.grammar))
     if params.seed is not None:
         message.seed = params.seed - 2**64 if params.seed >= 2**63 else params.seed
     if params.logprobs is not None:
@@ -49,7 +59,28 @@ def sampling_from_proto(message: common_pb.Sampling) -> SamplingParams:
         ignore_eos=message.ignore_eos,
         logprobs=message.logprobs if message.HasField("logprobs") else None,
         visible_special_tokens=tuple(message.visible_special_tokens),
+        min_p=message.min_p,
+        repetition_penalty=message.repetition_penalty if message.HasField("repetition_penalty") else 1.0,
+        presence_penalty=message.presence_penalty,
+        frequency_penalty=message.frequency_penalty,
+        logit_bias=tuple((b.token_id, b.bias) for b in message.logit_bias),
+        grammar=grammar_from_proto(message.grammar) if message.HasField("grammar") else None,
     )
+
+
+def grammar_to_proto(spec: GrammarSpec) -> common_pb.Grammar:
+    return common_pb.Grammar(kind=spec.kind, schema=spec.schema, strict=spec.strict, tools=spec.tools,
+                             tool_choice=spec.tool_choice, parallel_tool_calls=spec.parallel_tool_calls,
+                             reasoning=spec.reasoning)
+
+
+def grammar_from_proto(message: common_pb.Grammar) -> GrammarSpec:
+    """Raises ``ValueError`` for an invalid value (an unknown kind, say)."""
+    try:
+        return GrammarSpec(message.kind, message.schema, message.strict, message.tools, message.tool_choice,
+                           message.parallel_tool_calls, message.reasoning)  # type: ignore[arg-type]
+    except ValueError as e:
+        raise ValueError(f"grammar.{e}") from e
 
 
 def top_logprobs_to_proto(top: TopLogprobs) -> common_pb.TopLogprobs:

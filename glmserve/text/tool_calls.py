@@ -14,6 +14,11 @@ parser is the streaming one fed a single delta, so both always agree):
 - Values: parsed as JSON (number, bool, null, object, array) unless the tool's schema says the
   parameter is a string or the value is not JSON; otherwise the raw string. A value cannot contain
   the literal `</arg_value>` or `</tool_call>`.
+- ``strip_values``: whitespace around each value is dropped (as GLM's reference parsers in vLLM
+  and SGLang do). The router sets it for calls a grammar constrained: xgrammar's GLM grammar allows
+  a whitespace around a value as formatting, which must not become part of a string (an enum
+  value, a maxLength). Free calls keep values exactly as written (the chat template writes them
+  as-is, so a value's own leading or trailing whitespace survives a round trip).
 """
 
 from __future__ import annotations
@@ -88,7 +93,9 @@ def coerce_value(raw: str, schema: Any = None) -> Any:
     return raw if isinstance(value, str) else value  # a quoted string stays as written
 
 
-def parse_call_body(body: str, properties: dict[str, dict[str, Any]]) -> tuple[str, dict[str, Any]] | None:
+def parse_call_body(
+    body: str, properties: dict[str, dict[str, Any]], strip_values: bool = False
+) -> tuple[str, dict[str, Any]] | None:
     """Name and arguments of the text between `<tool_call>` and `</tool_call>`; None if malformed."""
     m = _NAME.match(body)
     if m is None:
@@ -102,7 +109,8 @@ def parse_call_body(body: str, properties: dict[str, dict[str, Any]]) -> tuple[s
         key = a.group(1).strip()
         if not key:
             return None
-        args[key] = coerce_value(a.group(2), schema.get(key))
+        value = a.group(2).strip() if strip_values else a.group(2)
+        args[key] = coerce_value(value, schema.get(key))
         pos = a.end()
     return name, args
 
@@ -118,8 +126,10 @@ def _held_prefix_len(text: str, tag: str) -> int:
 class ToolCallStreamParser:
     """Incremental parser: `feed(delta)` per text delta, then `finish()` once at the end."""
 
-    def __init__(self, tools: list[dict[str, Any]] | None = None, call_id: CallIdFactory = random_call_id):
+    def __init__(self, tools: list[dict[str, Any]] | None = None, call_id: CallIdFactory = random_call_id,
+                 strip_values: bool = False):
         self._props = tool_properties(tools)
+        self._strip = strip_values
         self._call_id = call_id
         self._buf = ""  # text not yet classified: a held `<tool_call` prefix, or an open call
         self._inside = False  # `_buf` starts with `<tool_call>`
@@ -180,7 +190,7 @@ class ToolCallStreamParser:
             self._buf, self._inside = self._buf[j_end + len(end) :], False
 
     def _close_call(self, block: str) -> None:
-        parsed = parse_call_body(block[len(TOOL_CALL_START) : -len(TOOL_CALL_END)], self._props)
+        parsed = parse_call_body(block[len(TOOL_CALL_START) : -len(TOOL_CALL_END)], self._props, self._strip)
         if parsed is None:
             self._emit_text(block)
             return
@@ -198,10 +208,11 @@ class ToolCallStreamParser:
 
 
 def parse_tool_calls(
-    text: str, tools: list[dict[str, Any]] | None = None, call_id: CallIdFactory = random_call_id
+    text: str, tools: list[dict[str, Any]] | None = None, call_id: CallIdFactory = random_call_id,
+    strip_values: bool = False,
 ) -> ParsedOutput:
     """One-shot parse of a finished generation into content and OpenAI `tool_calls`."""
-    parser = ToolCallStreamParser(tools, call_id)
+    parser = ToolCallStreamParser(tools, call_id, strip_values)
     first, last = parser.feed(text), parser.finish()
     calls = [{k: v for k, v in c.items() if k != "index"} for c in first.tool_calls + last.tool_calls]
     return ParsedOutput(content=first.content + last.content, tool_calls=calls)

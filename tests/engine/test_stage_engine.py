@@ -170,3 +170,25 @@ def test_the_replica_keeps_the_shortest_stage_hit_and_out_of_blocks_holds_nothin
     with pytest.raises(OutOfBlocks):
         small.admit("c", 0)
     assert not small.jobs and small.pool.num_used == 0
+
+
+def test_the_last_stage_samples_the_first_token_as_the_engine_does_with_logit_bias():
+    """logit_bias (as grammars and penalties) reaches the first token a replica samples; its
+    logprobs stay the model's own, as one Engine reports them."""
+    model = random_model(seed=2)
+    params = SamplingParams(max_tokens=1, temperature=0.0, logit_bias={7: 100.0}, logprobs=2)
+    prompt = prompts(1, seed=7, min_len=50, max_len=51)[0]
+    engine = Engine(model, ENGINE)
+    engine.add_request("e", prompt, params, hold_blocks=True)
+    while not any(e.finished for e in engine.step()):
+        pass
+    want = engine.held_prefill("e").output
+    first, last = (StageEngine(m, ENGINE) for m in stage_models(model, [range(0, 2), range(2, 4)]))
+    for s in (first, last):
+        s.begin("k", prompt, params)
+        s.admit("k", 0)
+    out = first.run_chunk("k", 0, 50)
+    got = last.run_chunk("k", 0, 50, out.hidden, out.topk).handoff
+    assert got.first_token == want.first_token == 7
+    assert got.first_logprob == pytest.approx(want.first_logprob, abs=1e-5)
+    assert [t for t, _ in got.first_top_logprobs] == [t for t, _ in want.first_top_logprobs]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -11,12 +10,10 @@ import torch
 from glmserve.model.forward_batch import ForwardBatch
 from glmserve.model.glm_model import with_input_ids
 from glmserve.model.greedy import greedy_generate
-from glmserve.model.loader import load_model
-from glmserve.text.tokenizer import Tokenizer
 from glmserve.text.tool_calls import parse_tool_calls
+from tests.model.conftest import BUNDLED_DIR as MODEL_DIR
 from tools import tiny_corpus
 
-MODEL_DIR = Path(__file__).resolve().parents[2] / "models" / "glm52-tiny"
 TOOLS = [
     {
         "type": "function",
@@ -36,13 +33,13 @@ pytestmark = pytest.mark.skipif(not (MODEL_DIR / "model.safetensors").exists(), 
 
 
 @pytest.fixture(scope="module")
-def model():
-    return load_model(MODEL_DIR)
+def model(bundled_model):
+    return bundled_model
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    return Tokenizer.from_dir(MODEL_DIR)
+def tokenizer(bundled_tokenizer):
+    return bundled_tokenizer
 
 
 def _heldout_windows(tokenizer, n: int, length: int) -> list[list[int]]:

@@ -5,6 +5,7 @@ import dataclasses
 import pytest
 
 from glmserve.core.generation import SamplingParams, TokenEvent
+from glmserve.core.grammar_spec import GrammarSpec
 from glmserve.engine.handoff import PrefillOutput
 from glmserve.proto_gen.glmserve.decode.v1 import decode_pb2 as decode_pb
 from glmserve.proto_gen.glmserve.prefill.v1 import prefill_pb2 as prefill_pb
@@ -30,6 +31,25 @@ def test_sampling_round_trip():
         assert back.seed is None or back.seed % 2**64 == params.seed % 2**64  # same torch generator
     with pytest.raises(ValueError, match="max_tokens"):
         sampling_from_proto(sampling_to_proto(GREEDY).__class__())  # an empty message: max_tokens 0
+
+
+@pytest.mark.parametrize("grammar", [
+    None,
+    GrammarSpec("json_object"),
+    GrammarSpec("json_schema", schema='{"type":"object","properties":{"b":{},"a":{}}}', strict=False,
+                reasoning="auto"),
+    GrammarSpec("tool_calls", tools='[{"type":"function","function":{"name":"f"}}]', tool_choice="f",
+                parallel_tool_calls=False, reasoning="enabled"),
+])
+def test_processing_and_grammar_round_trip(grammar):
+    params = SamplingParams(max_tokens=9, min_p=0.1, repetition_penalty=1.3, presence_penalty=-0.5,
+                            frequency_penalty=2.0, logit_bias={5: -100.0, 2: 3.5}, grammar=grammar)
+    assert sampling_from_proto(sampling_to_proto(params)) == params
+    assert sampling_from_proto(sampling_to_proto(GREEDY)) == GREEDY  # unset repetition_penalty is 1.0
+    message = sampling_to_proto(params)
+    message.grammar.kind = "yaml"
+    with pytest.raises(ValueError, match="grammar.kind"):
+        sampling_from_proto(message)
 
 
 @pytest.mark.parametrize("event", [

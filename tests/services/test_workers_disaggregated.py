@@ -9,12 +9,14 @@ blocks, and decode keeps serving with another prefill worker.
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
+import jsonschema
 import pytest
 from logprob_oracle import reference_logprobs
 from worker_fixtures import (
@@ -28,8 +30,11 @@ from worker_fixtures import (
 )
 
 from glmserve.core.generation import SamplingParams
+from glmserve.core.grammar_spec import GrammarSpec
+from glmserve.engine.engine import Engine
 from glmserve.kv.transfer import nixl_unavailable_reason
 from glmserve.proto_gen.glmserve.decode.v1 import decode_pb2_grpc as decode_grpc
+from glmserve.text.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.skipif(not HAS_MODEL, reason=f"no model at {MODEL_DIR}")
 
@@ -111,6 +116,22 @@ def test_outputs_equal_single_process(workers, oracle):
                  "glmserve_worker_prompt_tokens_total"):
         assert p[(name, ())] > 0, name
     assert d[("glmserve_kv_blocks_free", ())] == free[1] and d[("glmserve_kv_blocks_used", ())] == 0
+
+
+def test_grammar_crosses_prefill_and_decode(workers):
+    """A json_schema request through both workers (decode runs MTP "auto") equals the
+    same request on one in-process engine without MTP, and validates."""
+    kind, prefill, decode = workers
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
+                                               "unit": {"enum": ["C", "F"]}}, "required": ["city", "unit"]}
+    spec = GrammarSpec.from_response_format({"type": "json_schema", "json_schema": {"name": "w", "schema": schema}})
+    tokenizer = Tokenizer.from_dir(MODEL_DIR)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Weather in Lima?"}])
+    params = SamplingParams(max_tokens=40, temperature=0.0, grammar=spec)
+    out = asyncio.run(_run_all(decode, [(f"grammar-{kind}", prompt, {})], prefill.address, params))[0]
+    single = Engine.from_model_dir(MODEL_DIR, mtp="off").generate([prompt], params)[0]
+    assert out.finish_reason == "stop" and out.tokens == single.output_ids, out.error
+    jsonschema.validate(json.loads(tokenizer.decode(out.tokens[:-1])), schema)
 
 
 async def _bad_requests(decode: WorkerProcess, prefill: str) -> list[str]:

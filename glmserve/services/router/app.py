@@ -39,8 +39,10 @@ from glmserve.services.router.openai_requests import (
     parse_body,
 )
 from glmserve.services.router.request_hints import request_hints
+from glmserve.services.router.request_id import RequestIdMiddleware
 from glmserve.services.router.request_run import RequestContext
 from glmserve.services.router.serving import Answer, OpenAIServing
+from glmserve.services.router.tokenize_requests import DetokenizeRequest, TokenizeRequest
 from glmserve.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -51,6 +53,8 @@ _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 BODIES: dict[str, type[BaseModel]] = {
     "/v1/chat/completions": ChatCompletionRequest,
     "/v1/completions": CompletionRequest,
+    "/tokenize": TokenizeRequest,
+    "/detokenize": DetokenizeRequest,
 }
 
 
@@ -65,8 +69,9 @@ def create_app(
     """An OpenAI-compatible app serving ``model_name`` through ``backend``.
 
     ``max_context``: the model's `max_position_embeddings` (prompt + max_tokens must fit).
-    ``api_keys``: when non-empty, `/v1/*` needs `Authorization: Bearer <one of them>`; `/health`,
-    `/ready`, `/metrics` and `/openapi.json` stay open (probes and scrapers carry no keys).
+    ``api_keys``: when non-empty, `/v1/*`, `/tokenize` and `/detokenize` need `Authorization: Bearer
+    <one of them>`; `/health`, `/ready`, `/metrics` and `/openapi.json` stay open (probes and
+    scrapers carry no keys). Every answer carries ``x-request-id`` (`request_id`).
     The backend is started and closed by the app's lifespan.
     """
     metrics = RouterMetrics(model_name)
@@ -102,9 +107,22 @@ def create_app(
     async def models() -> dict[str, Any]:
         return serving.models()
 
+    @app.get("/v1/models/{model_id:path}", dependencies=[Depends(authorize)])
+    async def model(model_id: str) -> dict[str, Any]:
+        return serving.model(model_id)
+
+    @app.post("/tokenize", dependencies=[Depends(authorize)])
+    async def tokenize(request: Request) -> dict[str, Any]:
+        return await serving.tokenize(await _parse(request, TokenizeRequest))
+
+    @app.post("/detokenize", dependencies=[Depends(authorize)])
+    async def detokenize(request: Request) -> dict[str, Any]:
+        return await serving.detokenize(await _parse(request, DetokenizeRequest))
+
     _add_probes(app, backend, metrics)
     _install_error_handlers(app, metrics)
     app.openapi = lambda: _openapi_with_bodies(app)  # type: ignore[method-assign]
+    app.add_middleware(RequestIdMiddleware)
     return app
 
 
@@ -127,7 +145,7 @@ def _context(request: Request, body: Any, arrival: float, keyed: bool) -> Reques
             pass
 
     hints = request_hints(request.headers, body.user, token)
-    return RequestContext(arrival, request.url.path, hints, disconnected)
+    return RequestContext(arrival, request.url.path, hints, disconnected, request.state.request_id)
 
 
 def _respond(answer: Answer) -> Response:

@@ -118,15 +118,12 @@ def completion_logprobs(entries: list[TokenLogprob], text_offset: int) -> dict[s
     }
 
 
+def model_card(model: str, created: int, max_context: int) -> dict[str, Any]:
+    return {"id": model, "object": "model", "created": created, "owned_by": "glmserve", "max_model_len": max_context}
+
+
 def model_list(model: str, created: int, max_context: int) -> dict[str, Any]:
-    card = {
-        "id": model,
-        "object": "model",
-        "created": created,
-        "owned_by": "glmserve",
-        "max_model_len": max_context,
-    }
-    return {"object": "list", "data": [card]}
+    return {"object": "list", "data": [model_card(model, created, max_context)]}
 
 
 def sse(data: dict[str, Any]) -> str:

@@ -46,6 +46,20 @@ def from_value_error(err: ValueError, default_param: str | None = None) -> APIEr
     return invalid_request(message, param)
 
 
+# Fields a backend may refuse a request for after the router accepted it (the engine compiles the
+# grammar; xgrammar alone knows which schemas it can enforce).
+BACKEND_CHECKED_FIELDS = ("response_format", "tools", "logit_bias")
+
+
+def refused_request(error: str | None) -> APIError | None:
+    """The 400 for a generation error that names a request field the backend checks (directly,
+    or after a worker's ``INVALID_ARGUMENT: ``); None for any other error."""
+    message = (error or "").rpartition("INVALID_ARGUMENT: ")[2]
+    if message.split(":", 1)[0].split(".")[0] not in BACKEND_CHECKED_FIELDS:
+        return None
+    return from_value_error(ValueError(message))
+
+
 def context_length_exceeded(num_prompt: int, max_tokens: int, max_context: int, param: str) -> APIError:
     return invalid_request(
         f"This model's maximum context length is {max_context} tokens. However, you requested "

@@ -14,7 +14,8 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, model_validator
 
-from glmserve.core.generation import MAX_LOGPROBS, SamplingParams
+from glmserve.core.generation import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY, SamplingParams
+from glmserve.core.grammar_spec import GrammarSpec
 from glmserve.services.router.errors import (
     APIError,
     context_length_exceeded,
@@ -30,36 +31,37 @@ Bool = Annotated[bool, Strict()]
 Int = Annotated[int, Strict()]
 Str = Annotated[str, Strict()]
 Number = Annotated[float, Strict(), Field(allow_inf_nan=False)]
+Penalty = Annotated[float, Strict(), Field(ge=-MAX_PENALTY, le=MAX_PENALTY, allow_inf_nan=False)]
 Body = TypeVar("Body", bound="GenerationBody")
 
 
-class _Open(BaseModel):
+class OpenBody(BaseModel):
     """Unknown fields are accepted and ignored."""
 
     model_config = ConfigDict(extra="allow")
 
 
-class StreamOptions(_Open):
+class StreamOptions(OpenBody):
     include_usage: Bool = False
 
 
-class TextPart(_Open):
+class TextPart(OpenBody):
     type: Literal["text"]
     text: Str
 
 
-class FunctionCall(_Open):
+class FunctionCall(OpenBody):
     name: Str
     arguments: Str = "{}"
 
 
-class ToolCall(_Open):
+class ToolCall(OpenBody):
     id: Str | None = None
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class ChatMessage(_Open):
+class ChatMessage(OpenBody):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Str | list[TextPart] | None = None
     tool_calls: list[ToolCall] | None = None
@@ -81,27 +83,48 @@ class ChatMessage(_Open):
         return {**out, "role": ROLES[self.role], "content": content}
 
 
-class FunctionSpec(_Open):
+class FunctionSpec(OpenBody):
     name: Annotated[str, Strict(), Field(min_length=1)]
     description: Str | None = None
     parameters: dict[str, Any] = Field(default_factory=dict)
 
 
-class Tool(_Open):
+class Tool(OpenBody):
     type: Literal["function"] = "function"
     function: FunctionSpec
 
 
-class NamedFunction(_Open):
+class NamedFunction(OpenBody):
     name: Str
 
 
-class NamedToolChoice(_Open):
+class NamedToolChoice(OpenBody):
     type: Literal["function"] = "function"
     function: NamedFunction
 
 
-class GenerationBody(_Open):
+class JsonSchemaFormat(OpenBody):
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    name: Annotated[str, Strict(), Field(min_length=1)]
+    description: Str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: Bool | None = None
+
+
+class ResponseFormat(OpenBody):
+    """``text`` (free), ``json_object`` (any JSON object) or ``json_schema`` (valid for its schema)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("json_schema: required when type is json_schema")
+        return self
+
+
+class GenerationBody(OpenBody):
     """What chat and completions bodies share."""
 
     model: Annotated[str, Strict(), Field(min_length=1)]
@@ -116,9 +139,11 @@ class GenerationBody(_Open):
     stop: Str | list[Str] | None = None
     ignore_eos: Bool = False  # vLLM extension
     n: Int = 1
-    presence_penalty: Number = 0.0
-    frequency_penalty: Number = 0.0
-    logit_bias: dict[str, Any] | None = None
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    repetition_penalty: Annotated[float, Strict(), Field(gt=0, allow_inf_nan=False)] = 1.0  # vLLM extension
+    min_p: Annotated[float, Strict(), Field(ge=0, le=1, allow_inf_nan=False)] = 0.0  # vLLM extension
+    logit_bias: dict[str, Annotated[float, Strict(), Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]] | None = None
     user: Str | None = None
 
     @model_validator(mode="after")
@@ -127,12 +152,17 @@ class GenerationBody(_Open):
             raise ValueError("stream_options: only allowed when stream is true")
         if self.n != 1:
             raise ValueError("n: only n = 1 is supported")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) != 0:
-                raise ValueError(f"{name}: not supported (only 0)")
-        if self.logit_bias:
-            raise ValueError("logit_bias: not supported")
+        if any(not key.isdigit() for key in self.logit_bias or {}):
+            raise ValueError("logit_bias: keys must be token ids (decimal strings)")
         return self
+
+    def token_bias(self, vocab_size: int) -> dict[int, float]:
+        """``logit_bias`` by token id; 400 for an id outside the vocabulary."""
+        bias = {int(key): value for key, value in (self.logit_bias or {}).items()}
+        bad = [t for t in bias if t >= vocab_size]
+        if bad:
+            raise invalid_request(f"logit_bias: token ids must be in 0..{vocab_size - 1}, got {bad[:5]}", "logit_bias")
+        return bias
 
     @property
     def include_usage(self) -> bool:
@@ -143,7 +173,8 @@ class GenerationBody(_Open):
         """`SamplingParams.logprobs`: None, or how many alternatives per token."""
         raise NotImplementedError
 
-    def sampling_params(self, num_prompt: int, max_context: int, param: str) -> SamplingParams:
+    def sampling_params(self, num_prompt: int, max_context: int, param: str, vocab_size: int,
+                        grammar: GrammarSpec | None = None) -> SamplingParams:
         """The request's sampling; without a max the completion may fill the rest of the context.
         400 (``context_length_exceeded`` on ``param``) when prompt and completion do not fit."""
         limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -154,7 +185,10 @@ class GenerationBody(_Open):
         try:
             return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
                                   top_k=self.top_k, seed=self.seed, stop=stop, ignore_eos=self.ignore_eos,
-                                  logprobs=self.logprobs_count)
+                                  logprobs=self.logprobs_count, min_p=self.min_p,
+                                  repetition_penalty=self.repetition_penalty,
+                                  presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                                  logit_bias=self.token_bias(vocab_size), grammar=grammar)
         except ValueError as e:
             raise from_value_error(e) from e
 
@@ -170,6 +204,8 @@ class ChatCompletionRequest(GenerationBody):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: Bool = True
+    response_format: ResponseFormat | None = None
     logprobs: Bool = False
     top_logprobs: Annotated[int, Strict(), Field(ge=0, le=MAX_LOGPROBS)] | None = None
 
@@ -183,7 +219,25 @@ class ChatCompletionRequest(GenerationBody):
                              f"{self.tool_choice.function.name!r}")
         if self.tool_choice in ("auto", "required") and not self.tools:
             raise ValueError("tool_choice: only allowed when tools are given")
+        if self.forces_tool_calls and self.response_format is not None and self.response_format.type != "text":
+            raise ValueError("response_format: cannot be combined with a required or named tool_choice")
         return self
+
+    def grammar(self) -> GrammarSpec | None:
+        """What the output must match: the tool calls ``tool_choice`` forces, or ``response_format``."""
+        try:
+            tools = self.active_tools()
+            choice = self.tool_choice.model_dump() if isinstance(self.tool_choice, NamedToolChoice) else self.tool_choice
+            forced = GrammarSpec.from_tool_choice(tools, choice, self.parallel_tool_calls) if tools else None
+            if forced is not None or self.response_format is None:
+                return forced
+            return GrammarSpec.from_response_format(self.response_format.model_dump(by_alias=True, exclude_none=True))
+        except ValueError as e:
+            raise from_value_error(e) from e
+
+    @property
+    def forces_tool_calls(self) -> bool:
+        return self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
 
     @property
     def logprobs_count(self) -> int | None:

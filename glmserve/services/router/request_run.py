@@ -10,6 +10,7 @@ A backend failure becomes an `APIError` (500, or 503 when the server aborted the
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -18,10 +19,12 @@ import anyio
 
 from glmserve.core.generation import SamplingParams, TokenEvent
 from glmserve.services.router.backend import BackendUnavailable, GenerationBackend, RequestHints
-from glmserve.services.router.errors import internal_error, service_unavailable
+from glmserve.services.router.errors import internal_error, refused_request, service_unavailable
 from glmserve.services.router.metrics import RouterMetrics
 from glmserve.services.router.token_logprobs import TokenLogprob, token_logprobs
 from glmserve.text.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -30,13 +33,15 @@ class RequestContext:
 
     - ``arrival``: its `time.monotonic()` arrival; ``endpoint``: the API path (for metrics);
     - ``hints``: session and tenant cache salt (`RequestHints`);
-    - ``disconnected``: returns once the client has gone away (never, for a client that stays).
+    - ``disconnected``: returns once the client has gone away (never, for a client that stays);
+    - ``client_request_id``: the ``x-request-id`` the answer carries (in log lines).
     """
 
     arrival: float
     endpoint: str
     hints: RequestHints
     disconnected: Callable[[], Awaitable[None]]
+    client_request_id: str = ""
 
 
 @dataclass
@@ -93,8 +98,11 @@ class RequestRun:
                     if finished:
                         self.metrics.finished(event.finish_reason)
                     if event.finish_reason == "error":
-                        status = 500
-                        raise internal_error(f"generation failed: {event.error}")
+                        refused = refused_request(event.error)
+                        status = 400 if refused is not None else 500
+                        log.warning("request %s (x-request-id %s) failed: %s", self.request_id,
+                                    self.ctx.client_request_id, event.error)
+                        raise refused or internal_error(f"generation failed: {event.error}")
                     if event.finish_reason == "abort":
                         if not self.disconnected:
                             status = 503
@@ -103,6 +111,7 @@ class RequestRun:
                     self.output.add(event, token_logprobs(self.tokenizer, event))
                     yield event
         except BackendUnavailable as e:
+            log.warning("request %s (x-request-id %s): %s", self.request_id, self.ctx.client_request_id, e)
             status = 503
             raise service_unavailable(str(e)) from e
         finally:

@@ -18,16 +18,28 @@ from contextlib import aclosing
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from glmserve.core.generation import SamplingParams
+from glmserve.core.generation import MAX_LOGIT_BIAS, SamplingParams
 from glmserve.services.router import completion_bodies as bodies
 from glmserve.services.router.backend import GenerationBackend
-from glmserve.services.router.errors import APIError, from_value_error, service_unavailable
+from glmserve.services.router.errors import (
+    APIError,
+    from_value_error,
+    invalid_request,
+    model_not_found,
+    service_unavailable,
+)
 from glmserve.services.router.metrics import RouterMetrics
 from glmserve.services.router.openai_requests import ChatCompletionRequest, CompletionRequest, GenerationBody
 from glmserve.services.router.request_run import Output, RequestContext, RequestRun
-from glmserve.text.special_tokens import TOOL_MARKUP
+from glmserve.services.router.tokenize_requests import (
+    DetokenizeRequest,
+    TokenizeRequest,
+    detokenize_answer,
+    tokenize_answer,
+)
+from glmserve.services.router.tool_call_parsing import CallParsing
+from glmserve.text.special_tokens import TOOL_CALL_START, TOOL_MARKUP
 from glmserve.text.tokenizer import Tokenizer
-from glmserve.text.tool_calls import ParsedOutput, ToolCallStreamParser, parse_tool_calls
 
 
 @dataclass(frozen=True)
@@ -51,10 +63,37 @@ class OpenAIServing:
             raise ValueError(f"max_context: must be >= 2, got {max_context}")
         self.backend, self.tokenizer, self.model_name = backend, tokenizer, model_name
         self.max_context, self.metrics = max_context, metrics
-        self.created = int(time.time())
+        self.started = int(time.time())  # the model card's `created`
 
     def models(self) -> dict[str, Any]:
-        return bodies.model_list(self.model_name, self.created, self.max_context)
+        return bodies.model_list(self.model_name, self.started, self.max_context)
+
+    def model(self, model_id: str) -> dict[str, Any]:
+        """``GET /v1/models/{id}``: the card, or 404 for any other id."""
+        if model_id != self.model_name:
+            raise model_not_found(model_id)
+        return bodies.model_card(self.model_name, self.started, self.max_context)
+
+    async def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
+        if body.model != self.model_name:
+            raise model_not_found(body.model)
+        try:
+            if body.prompt is not None:
+                ids = await asyncio.to_thread(self.tokenizer.encode, body.prompt)
+            else:
+                ids = await asyncio.to_thread(self.tokenizer.apply_chat_template, body.template_messages(),
+                                              body.template_tools())
+        except ValueError as e:
+            raise from_value_error(e, "messages") from e
+        return tokenize_answer(ids, self.max_context)
+
+    async def detokenize(self, body: DetokenizeRequest) -> dict[str, Any]:
+        if body.model != self.model_name:
+            raise model_not_found(body.model)
+        vocab = self.tokenizer.vocab_size
+        if not all(0 <= t < vocab for t in body.tokens):
+            raise invalid_request(f"tokens: token ids must be in 0..{vocab - 1}", "tokens")
+        return detokenize_answer(await asyncio.to_thread(self.tokenizer.decode, body.tokens))
 
     async def chat(self, body: ChatCompletionRequest, ctx: RequestContext) -> Answer:
         self._admit(body)
@@ -63,21 +102,26 @@ class OpenAIServing:
             prompt = await asyncio.to_thread(self.tokenizer.apply_chat_template, body.template_messages(), tools)
         except ValueError as e:
             raise from_value_error(e, "messages") from e
-        params = body.sampling_params(len(prompt), self.max_context, "messages")
+        grammar = body.grammar()
+        params = body.sampling_params(len(prompt), self.max_context, "messages", self.tokenizer.vocab_size, grammar)
         if tools is not None:  # the tool-call parser reads the markup in the text
             params = replace(params, visible_special_tokens=TOOL_MARKUP)
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        elif body.tools:  # tool_choice "none": no call may start
+            params = replace(params, logit_bias=_banned(params.logit_bias, self._call_start))
+        calls = CallParsing(tools, strip_values=grammar is not None and grammar.kind == "tool_calls",
+                            parallel=body.parallel_tool_calls)
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         run = self.run(rid, prompt, params, ctx)
         if body.stream:
-            return Answer(chunks=self._chat_chunks(run, tools, body.include_usage), run=run)
+            return Answer(chunks=self._chat_chunks(run, created, calls, body.include_usage), run=run)
         out = await _whole(run)
         if isinstance(out, Answer):
             return out
-        parsed = parse_tool_calls(out.text, tools) if tools else ParsedOutput(out.text)
+        parsed = calls.parse(out.text)
         logprobs = bodies.chat_logprobs(out.logprobs) if params.logprobs is not None else None
         content = parsed.content if parsed.content or not parsed.tool_calls else None
         return Answer(bodies.chat_completion(
-            rid, self.created, self.model_name, content, parsed.tool_calls,
+            rid, created, self.model_name, content, parsed.tool_calls,
             _finish_reason(out.finish_reason, bool(parsed.tool_calls)), self._usage(run), logprobs,
         ))
 
@@ -88,16 +132,16 @@ class OpenAIServing:
         ids = await asyncio.to_thread(self.tokenizer.encode, prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise from_value_error(ValueError("prompt: the prompt has no tokens"))
-        params = body.sampling_params(len(ids), self.max_context, "prompt")
-        rid = f"cmpl-{uuid.uuid4().hex}"
+        params = body.sampling_params(len(ids), self.max_context, "prompt", self.tokenizer.vocab_size)
+        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         run = self.run(rid, ids, params, ctx)
         if body.stream:
-            return Answer(chunks=self._completion_chunks(run, body.include_usage), run=run)
+            return Answer(chunks=self._completion_chunks(run, created, body.include_usage), run=run)
         out = await _whole(run)
         if isinstance(out, Answer):
             return out
         logprobs = bodies.completion_logprobs(out.logprobs, 0) if params.logprobs is not None else None
-        return Answer(bodies.completion(rid, self.created, self.model_name, out.text, out.finish_reason,
+        return Answer(bodies.completion(rid, created, self.model_name, out.text, out.finish_reason,
                                         logprobs, self._usage(run)))
 
     def run(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
@@ -117,10 +161,14 @@ class OpenAIServing:
         out = run.output
         return bodies.usage(len(run.prompt_ids), out.num_generated, out.num_cached_tokens)
 
-    async def _chat_chunks(self, run: RequestRun, tools: list[dict[str, Any]] | None,
+    @property
+    def _call_start(self) -> int | None:
+        return self.tokenizer.token_to_id(TOOL_CALL_START)
+
+    async def _chat_chunks(self, run: RequestRun, created: int, calls_parsing: CallParsing,
                            include_usage: bool) -> AsyncIterator[dict[str, Any]]:
-        rid, created, model = run.request_id, self.created, self.model_name
-        parser = ToolCallStreamParser(tools) if tools else None
+        rid, model = run.request_id, self.model_name
+        parser = calls_parsing.stream_parser()
         has_calls, finish = False, None
         yield bodies.chat_chunk(rid, created, model, {"role": "assistant", "content": ""})
         try:
@@ -130,7 +178,7 @@ class OpenAIServing:
                     if parser is not None:  # tool-call markup becomes `tool_calls` once a call closes
                         parts = [parser.feed(text)] + ([parser.finish()] if finish is not None else [])
                         content = "".join(p.content for p in parts)
-                        calls = [c for p in parts for c in p.tool_calls]
+                        calls = calls_parsing.allowed([c for p in parts for c in p.tool_calls])
                     has_calls = has_calls or bool(calls)
                     if content or calls or logprobs:
                         delta: dict[str, Any] = {"content": content} if content or not calls else {}
@@ -147,8 +195,9 @@ class OpenAIServing:
         if include_usage:
             yield bodies.usage_chunk(rid, created, model, "chat.completion.chunk", self._usage(run))
 
-    async def _completion_chunks(self, run: RequestRun, include_usage: bool) -> AsyncIterator[dict[str, Any]]:
-        rid, created, model = run.request_id, self.created, self.model_name
+    async def _completion_chunks(self, run: RequestRun, created: int,
+                                 include_usage: bool) -> AsyncIterator[dict[str, Any]]:
+        rid, model = run.request_id, self.model_name
         finish, offset = None, 0
         try:
             async with aclosing(run.deltas()) as deltas:
@@ -171,6 +220,13 @@ async def _whole(run: RequestRun) -> Output | Answer:
     except APIError as e:  # counted by the run already
         return Answer(e.to_dict(), status=e.status, headers=e.headers)
     return out if out.finish_reason is not None else Answer(status=499)
+
+
+def _banned(bias: tuple[tuple[int, float], ...], token: int | None) -> tuple[tuple[int, float], ...]:
+    """``bias`` with ``token`` at the lowest bias OpenAI allows (the model never picks it in practice)."""
+    if token is None:
+        return bias
+    return tuple(sorted({**dict(bias), token: -MAX_LOGIT_BIAS}.items()))
 
 
 def _finish_reason(reason: str, has_calls: bool) -> str:
