@@ -105,8 +105,9 @@ CACHE = [
 SPEC = [
     Panel("Draft acceptance (accepted / drafted)", ((
         f"sum by (instance) (rate(glmserve_spec_accepted_tokens_total{{{M}}}[{RI}]))"
-        f" / sum by (instance) (rate(glmserve_spec_draft_tokens_total{{{M}}}[{RI}]))", "{{instance}}"),),
-        "percentunit", description="Counted on drafting steps only; a collapse signals corrupted KV."),
+        f" / (sum by (instance) (rate(glmserve_spec_draft_tokens_total{{{M}}}[{RI}])) > 0)", "{{instance}}"),),
+        "percentunit", description="Counted on drafting steps only (workers that drafted nothing are left out); "
+                                   "a collapse signals corrupted KV."),
     Panel("Mean tokens per verify step", ((
         f"sum(rate(glmserve_spec_acceptance_length_sum{{{M}}}[{RI}]))"
         f" / sum(rate(glmserve_spec_acceptance_length_count{{{M}}}[{RI}]))", "tokens / step"),), "short"),
@@ -128,7 +129,10 @@ FAULTS = [
                                                "{{stage}} {{reason}}"),), "ops"),
     Panel("Process restarts (15m)", ((
         "changes(process_start_time_seconds[15m]) * on (job, instance) group_left (role)"
-        f" max by (job, instance, role) (glmserve_build_info{{{M}}})", "{{role}} {{instance}}"),), "short"),
+        f" max by (job, instance, role) (glmserve_build_info{{{M}}})", "{{role}} {{instance}}"),
+        (f"sum by (job, instance) (increase(glmserve_process_restarts_total{{{M}}}[15m]))",
+         "{{instance}} (launcher)")), "short",
+        description="New processes behind each target; '(launcher)': restarts counted by glmserve serve."),
     Panel("Targets up", (('sum by (job) (up{job=~".*glmserve.*"})', "{{job}}"),), "short"),
     Panel("Block-event publish failures", (rate("glmserve_kv_events_publish_failures_total", "instance"),), "ops"),
     Panel("Host-tier failures, by op", (rate("glmserve_host_tier_failures_total", "op"),), "ops"),

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from glmserve.commands.child import ChildProcess, ChildSpec, die_with_parent_hook, exit_description
+from glmserve.services.metrics_exposition import RESTARTS_ENV
 
 
 @dataclass(frozen=True)
@@ -76,8 +77,10 @@ class Supervisor:
         return self._launch(slot)
 
     def _launch(self, slot: _Slot) -> ChildProcess:
+        # the child's glmserve_process_restarts_total starts from this count, so the series goes on
+        env = {**self._env, RESTARTS_ENV: str(slot.restarts)}
         slot.proc, slot.restart_at, slot.ready_since = ChildProcess(
-            slot.spec, self._env, self._out_lock, self._preexec), None, None
+            slot.spec, env, self._out_lock, self._preexec), None, None
         return slot.proc
 
     def process(self, name: str) -> ChildProcess | None:

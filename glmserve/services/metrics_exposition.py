@@ -3,9 +3,11 @@
 - ``labelled(registry, labels)``: a registry whose every sample also carries ``labels`` (the served
   ``model_name``, and ``role`` on workers and the kvstore), added at scrape time in one place instead of
   on each metric.
-- ``add_process_metrics(registry, role, model_name)``: the standard ``process_*`` series (restarts show
-  as changes of ``process_start_time_seconds``) and ``glmserve_build_info{role,version}`` = 1, the
-  series dashboards and alerts join on.
+- ``add_process_metrics(registry, role)``: the standard ``process_*`` series (restarts show as changes
+  of ``process_start_time_seconds`` wherever the service runs), ``glmserve_build_info{role,version}``
+  = 1, the series dashboards and alerts join on, and ``glmserve_process_restarts_total``: how often
+  `glmserve serve`'s supervisor restarted this service before this process (it passes the count in
+  ``GLMSERVE_RESTARTS``), so the series carries on across restarts and ``increase()`` counts them.
 - ``MetricsServer``: the HTTP endpoint of the workers and the kvstore on their ``--metrics-port``:
   ``GET /metrics`` and ``HEAD /metrics`` (200, headers only: scrapers such as aiperf probe with HEAD),
   404 elsewhere, on a daemon thread, bound to the service's configured host.
@@ -13,16 +15,25 @@
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Iterator, Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib.metadata import PackageNotFoundError, version
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, ProcessCollector, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 SERVICE_LABELS = ("model_name", "role")  # what `labelled` adds to every sample of a service
+RESTARTS_ENV = "GLMSERVE_RESTARTS"
 
 
 class _Relabelled(Collector):
@@ -56,6 +67,17 @@ def add_process_metrics(registry: CollectorRegistry, role: str) -> None:
     info = Gauge("glmserve_build_info", "1 per process; its labels say what runs.", ["role", "version"],
                  registry=registry)
     info.labels(role=role, version=package_version()).set(1)
+    restarts = Counter("glmserve_process_restarts", "Times the launcher restarted this service (glmserve serve).",
+                       registry=registry)
+    restarts.inc(restarts_so_far())
+
+
+def restarts_so_far(env: Mapping[str, str] | None = None) -> int:
+    """The supervisor's count of this service's earlier restarts (``GLMSERVE_RESTARTS``; 0 if unset)."""
+    value = (os.environ if env is None else env).get(RESTARTS_ENV, "0")
+    if not value.isdigit():
+        raise ValueError(f"{RESTARTS_ENV}: must be a count, got {value!r}")
+    return int(value)
 
 
 def render(registry: CollectorRegistry) -> bytes:

@@ -19,7 +19,7 @@ import asyncio
 import logging
 import signal
 import sys
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
@@ -33,6 +33,7 @@ from glmserve.services.kv_events import KVEventPublisher, PublisherCollector
 from glmserve.services.kvstore.client import KVStoreClient
 from glmserve.services.liveness import HealthReporter
 from glmserve.services.metrics_exposition import MetricsServer, labelled
+from glmserve.services.tracing import Tracing
 
 if TYPE_CHECKING:
     from glmserve.engine.engine import Engine
@@ -177,17 +178,19 @@ def start_block_events(kvstore: str | None, worker_id: str) -> KVEventPublisher 
 
 async def serve_worker(config: WorkerConfig, worker: Worker, add_servicer: Callable[[grpc.aio.Server], None],
                        registry: CollectorRegistry | None, publisher: KVEventPublisher | None, name: str,
-                       role: str, service: str) -> int:
+                       role: str, service: str, tracing: Tracing | None = None) -> int:
     """`run_worker` with the worker's block-event publisher on its metrics, closed on exit; every
     sample is served with the ``model_name`` and ``role`` labels. ``service``: the full gRPC service
-    name (readiness in ``grpc.health.v1``)."""
+    name (readiness in ``grpc.health.v1``); the server traces the calls of requests with ``tracing``
+    (off when None)."""
     if publisher is not None and registry is not None:
         registry.register(PublisherCollector(publisher))
     try:
         served = None if registry is None else labelled(registry, {"model_name": config.model_name, "role": role})
         return await run_worker(worker, add_servicer, host=config.host, port=config.port, registry=served,
                                 metrics_port=config.metrics_port, name=name, service=service,
-                                drain_timeout_s=config.drain_timeout_s)
+                                drain_timeout_s=config.drain_timeout_s,
+                                interceptors=tracing.server_interceptors() if tracing is not None else ())
     finally:
         if publisher is not None:
             await asyncio.to_thread(publisher.close)
@@ -209,6 +212,7 @@ async def run_worker(
     name: str,
     service: str,
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
 ) -> int:
     """Runs the process's worker until SIGTERM / SIGINT (see the module docstring); exit status.
     ``service``: the full gRPC service name, for the readiness answer of ``grpc.health.v1``."""
@@ -222,7 +226,7 @@ async def run_worker(
         return 0
     draining = False
     health = HealthReporter(service, worker.live, lambda: worker.ready() and not draining)
-    server = grpc.aio.server()
+    server = grpc.aio.server(interceptors=list(interceptors))
     add_servicer(server)
     health.add_to(server)
     bound = server.add_insecure_port(f"{host}:{port}")

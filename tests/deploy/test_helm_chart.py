@@ -28,6 +28,7 @@ from glmserve.services.decode.main import DecodeConfig
 from glmserve.services.kvstore.main import KVStoreConfig
 from glmserve.services.prefill.main import PrefillConfig
 from glmserve.services.router.main import RouterConfig
+from glmserve.services.tracing import TracingConfig
 
 KUBERNETES_VERSION = "1.35.0"  # the helm binary's client version (helm v4.1, KubeClientVersion v1.35)
 CRD_SCHEMAS = Path(__file__).resolve().parent / "crd_schemas"
@@ -212,3 +213,29 @@ def test_rendered_prometheus_rule_passes_promtool(tmp_path) -> None:
     path.write_text(yaml.safe_dump({"groups": rule["spec"]["groups"]}))
     result = run(tool("promtool"), "check", "rules", str(path))
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def _plain_env(container: dict, configmaps: dict[str, dict]) -> dict[str, str]:
+    """The container's environment as the process sees it (ConfigMap refs and literal values)."""
+    env: dict[str, str] = {}
+    for source in container.get("envFrom", []):
+        env.update(configmaps[source["configMapRef"]["name"]].get("data", {}))
+    env.update({e["name"]: e["value"] for e in container.get("env", []) if "value" in e})
+    return env
+
+
+def test_tracing_values_turn_on_each_services_tracing_under_its_own_name() -> None:
+    for extra, on in ((), False), (("--set", "tracing.otlpEndpoint=http://otel-collector:4317"), True):
+        docs = render("values.yaml", *extra)
+        configmaps, roles = by_kind(docs, "ConfigMap"), set()
+        for name, pod in pod_templates(docs).items():
+            for container in pod["containers"]:
+                env = _plain_env(container, configmaps)
+                if "OTEL_SERVICE_NAME" not in env:
+                    continue
+                role = env["OTEL_SERVICE_NAME"].removeprefix("glmserve-")
+                config = TracingConfig.from_env(role, env)
+                assert config.enabled is on, name
+                assert not on or config.service_name == f"glmserve-{role}", name
+                roles.add(role)
+        assert roles == {"router", "prefill", "decode", "kvstore"}

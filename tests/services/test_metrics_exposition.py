@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.parser import text_string_to_metric_families
 
 from glmserve.commands.serve import ServeConfig
-from glmserve.services.metrics_exposition import MetricsServer, add_process_metrics, labelled
+from glmserve.services.metrics_exposition import RESTARTS_ENV, MetricsServer, add_process_metrics, labelled
 
 MODEL = Path(__file__).resolve().parents[2] / "models" / "glm52-tiny"
 
@@ -62,3 +62,18 @@ def test_serve_fixes_each_childs_metrics_port_from_the_base() -> None:
     assert ServeConfig(MODEL).metrics_port(0) is None  # default: free ports
     with pytest.raises(ValueError, match="metrics_port_base"):
         ServeConfig(MODEL, metrics_port_base=65534, prefill_workers=2)
+
+
+def test_restarts_carry_the_supervisors_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    def restarts() -> float:
+        registry = CollectorRegistry()
+        add_process_metrics(registry, "prefill")
+        return registry.get_sample_value("glmserve_process_restarts_total")
+
+    monkeypatch.delenv(RESTARTS_ENV, raising=False)
+    assert restarts() == 0
+    monkeypatch.setenv(RESTARTS_ENV, "3")
+    assert restarts() == 3
+    monkeypatch.setenv(RESTARTS_ENV, "three")
+    with pytest.raises(ValueError, match=RESTARTS_ENV):
+        restarts()

@@ -84,6 +84,16 @@ def test_a_crash_loop_gives_up_loudly(supervisor: Supervisor) -> None:
     assert keeper.exit_status() is not None
 
 
+def test_each_run_is_told_how_often_it_was_restarted(supervisor: Supervisor, tmp_path: Path) -> None:
+    """GLMSERVE_RESTARTS: where the child's glmserve_process_restarts_total starts."""
+    runs = tmp_path / "runs"
+    supervisor.start(_python("counted", f"import os; open({str(runs)!r}, 'a').write(os.environ['GLMSERVE_RESTARTS'] + ' ');"
+                                        " raise SystemExit(3)"))
+    with pytest.raises(GaveUp):
+        _watch_until(supervisor, lambda: False)
+    assert runs.read_text().split() == ["0", "1", "2"]
+
+
 def test_a_stable_run_starts_the_count_over(supervisor: Supervisor) -> None:
     now = [0.0]
     supervisor._clock = lambda: now[0]  # the supervisor's time; processes run in real time

@@ -27,6 +27,7 @@ from glmserve.proto_gen.glmserve.decode.v1 import decode_pb2_grpc as pb_grpc
 from glmserve.services.decode.prefill_client import GrpcPrefillClient
 from glmserve.services.decode.servicer import DecodeServicer
 from glmserve.services.decode.worker import DecodeSettings, DecodeWorker
+from glmserve.services.tracing import Tracing
 from glmserve.services.worker_metrics import WorkerMetrics
 from glmserve.services.worker_server import (
     DEFAULT_TRANSFER_TIMEOUT_S,
@@ -60,13 +61,14 @@ class DecodeConfig(WorkerConfig):
 
 
 async def serve(config: DecodeConfig) -> int:
+    tracing = Tracing.from_env("decode")
     publisher = start_block_events(config.kvstore, config.worker_id)
     # A receiver's transfers are bounded by the writers' timeouts; ours only matters for close().
     backend = make_backend(config.transfer, host=config.host, timeout_s=DEFAULT_TRANSFER_TIMEOUT_S)
     worker = DecodeWorker(
         lambda: build_engine(config.model, config.revision, config.engine_config(), publisher),
         backend,
-        GrpcPrefillClient(),
+        GrpcPrefillClient(tracing.client_interceptors()),
         DecodeSettings(prefill_timeout_s=config.prefill_timeout_s, checksum=config.checksum),
         metrics=lambda engine: WorkerMetrics("decode", config.worker_id, lambda: engine.snapshot),
         host_tier=config.host_tier_settings(),
@@ -75,6 +77,7 @@ async def serve(config: DecodeConfig) -> int:
     return await serve_worker(config, worker, lambda server: pb_grpc.add_DecodeServicer_to_server(servicer, server),
                               worker.metrics.registry if worker.metrics is not None else None, publisher,
                               f"decode worker {config.worker_id} ({backend.kind} transfer)", role="decode",
+                              tracing=tracing,
                               service=pb.DESCRIPTOR.services_by_name["Decode"].full_name)
 
 

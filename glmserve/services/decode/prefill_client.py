@@ -100,14 +100,16 @@ _CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_recon
 
 
 class GrpcPrefillClient:
-    """`PrefillPort` over gRPC; ``target`` is the prefill worker's host:port."""
+    """`PrefillPort` over gRPC; ``target`` is the prefill worker's host:port. ``interceptors``: of
+    every channel (tracing's, which carry the request's trace context to prefill)."""
 
-    def __init__(self) -> None:
+    def __init__(self, interceptors: Sequence[grpc.aio.ClientInterceptor] = ()) -> None:
         self._stubs: dict[str, tuple[grpc.aio.Channel, pb_grpc.PrefillStub]] = {}
+        self._interceptors = list(interceptors)
 
     def _stub(self, target: str) -> pb_grpc.PrefillStub:
         if target not in self._stubs:
-            channel = grpc.aio.insecure_channel(target, options=_CHANNEL_OPTIONS)
+            channel = grpc.aio.insecure_channel(target, options=_CHANNEL_OPTIONS, interceptors=self._interceptors)
             self._stubs[target] = (channel, pb_grpc.PrefillStub(channel))
         return self._stubs[target][1]
 

@@ -25,6 +25,9 @@ R = TypeVar("R")
 TIER_FROM_PROTO = {pb.TIER_DEVICE: Tier.DEVICE, pb.TIER_HOST: Tier.HOST}
 TIER_TO_PROTO = {tier: value for value, tier in TIER_FROM_PROTO.items()}
 KIND_FROM_PROTO = {pb.EVENT_KIND_STORED: "stored", pb.EVENT_KIND_REMOVED: "removed"}
+# The codes `_rpc` answers failures with; every (rpc, code) is exported as 0 from the start, so the
+# first failure shows in rate() too.
+ERROR_CODES = ("INVALID_ARGUMENT", "UNAVAILABLE", "FAILED_PRECONDITION", "NOT_FOUND", "DEADLINE_EXCEEDED")
 
 
 def _rpc(fn: Callable[[Any, Any, grpc.ServicerContext], R]) -> Callable[[Any, Any, grpc.ServicerContext], R]:
@@ -48,6 +51,7 @@ def _rpc(fn: Callable[[Any, Any, grpc.ServicerContext], R]) -> Callable[[Any, An
             self.metrics.rpc_errors.labels(rpc=fn.__name__, code=code.name).inc()
         context.abort(code, details)  # raises
 
+    handler.counts_errors = True  # type: ignore[attr-defined]
     return handler
 
 
@@ -60,6 +64,11 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         self.metrics = metrics
         self.host_tier = host_tier
         self.instance_id = uuid.uuid4().hex  # a restarted kvstore is a new instance
+        if metrics is not None:
+            for name in dir(type(self)):
+                if getattr(getattr(type(self), name), "counts_errors", False):
+                    for code in ERROR_CODES:
+                        metrics.rpc_errors.labels(rpc=name, code=code)
 
     def _host_tier(self) -> HostTier:
         if self.host_tier is None:

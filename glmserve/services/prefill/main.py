@@ -22,6 +22,7 @@ from glmserve.proto_gen.glmserve.prefill.v1 import prefill_pb2 as pb
 from glmserve.proto_gen.glmserve.prefill.v1 import prefill_pb2_grpc as pb_grpc
 from glmserve.services.prefill.servicer import PrefillServicer
 from glmserve.services.prefill.worker import PrefillWorker
+from glmserve.services.tracing import Tracing
 from glmserve.services.worker_metrics import WorkerMetrics
 from glmserve.services.worker_server import (
     DEFAULT_TRANSFER_TIMEOUT_S,
@@ -65,6 +66,7 @@ async def serve(config: PrefillConfig) -> int:
     return await serve_worker(config, worker, lambda server: pb_grpc.add_PrefillServicer_to_server(servicer, server),
                               worker.metrics.registry if worker.metrics is not None else None, publisher,
                               f"prefill worker {config.worker_id} ({backend.kind} transfer)", role="prefill",
+                              tracing=Tracing.from_env("prefill"),
                               service=pb.DESCRIPTOR.services_by_name["Prefill"].full_name)
 
 

@@ -51,6 +51,7 @@ from glmserve.services.router.backend import (
 from glmserve.services.router.prefill_routing import RoutingConfig
 from glmserve.services.router.prefix_router import PrefixRouter, RoutedPrefill
 from glmserve.services.router.worker_pool import HealthReport, WorkerPool, WorkerView
+from glmserve.services.tracing import RequestSpan, Tracing
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +81,7 @@ class DisaggregatedBackend(GenerationBackend):
     """`GenerationBackend` over decode workers at ``decode`` and prefill workers at ``prefill``
     (``host:port`` each); see the module docstring. ``kvstore``: the block index service (prefix
     lookups; polled for its health). ``routing``: the prefill routing policy's settings.
+    ``tracing``: spans of each request, passed on to decode in the call's metadata (off by default).
     Create and use it inside one event loop."""
 
     def __init__(
@@ -92,6 +94,7 @@ class DisaggregatedBackend(GenerationBackend):
         health_timeout_s: float = 1.0,
         max_attempts: int = 3,
         routing: RoutingConfig | None = None,
+        tracing: Tracing | None = None,
     ):
         if poll_interval_s <= 0 or health_timeout_s <= 0 or max_attempts < 1:
             raise ValueError("poll_interval_s, health_timeout_s: must be > 0; max_attempts: >= 1")
@@ -106,6 +109,7 @@ class DisaggregatedBackend(GenerationBackend):
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._tasks: set[asyncio.Task[None]] = set()  # the poller and one-off re-polls
         self._started = self._closed = False
+        self._tracing = tracing or Tracing()
         self.prefix_router = PrefixRouter(self.prefill_pool, routing or RoutingConfig(),
                                           lambda: self.kvstore_up)
 
@@ -168,14 +172,24 @@ class DisaggregatedBackend(GenerationBackend):
         if request_id in self._streams:
             raise ValueError(f"request_id: {request_id!r} is already running")
         stream = self._streams[request_id] = _Stream()
-        finished = False
+        span = self._tracing.start_request(request_id, prompt_tokens=len(prompt_ids))
+        finished, error = False, None
         try:
-            attempts = self._attempts(request_id, stream, prompt_ids, params, hints or RequestHints())
+            attempts = self._attempts(request_id, stream, prompt_ids, params, hints or RequestHints(), span)
             async with aclosing(attempts) as events:
                 async for event in events:
                     finished = event.finished
+                    if finished:
+                        span.set(finish_reason=event.finish_reason)
+                        error = event.error if event.finish_reason == "error" else None
                     yield event
+        except BackendUnavailable as e:
+            error = str(e)
+            raise
         finally:
+            if not finished:
+                span.set(finish_reason="abort")  # the consumer left first
+            span.end(error)
             self._streams.pop(request_id, None)
             if not finished and stream.call is not None:  # the consumer left early
                 stream.call.cancel()
@@ -188,7 +202,7 @@ class DisaggregatedBackend(GenerationBackend):
 
     async def _attempts(
         self, request_id: str, stream: _Stream, prompt_ids: list[int], params: SamplingParams,
-        hints: RequestHints,
+        hints: RequestHints, span: RequestSpan,
     ) -> AsyncIterator[TokenEvent]:
         """Try decode workers until one streams (see the module docstring for the failure rules)."""
         tried: list[str] = []
@@ -209,7 +223,8 @@ class DisaggregatedBackend(GenerationBackend):
                 prompt_ids=prompt_ids, sampling=sampling, prefill_target=prefill,
                 cache_salt=hints.cache_salt or "",
             )
-            stream.call = decode_grpc.DecodeStub(self._channels[decode]).Generate(request)
+            span.attempt(decode=decode, prefill=prefill)
+            stream.call = decode_grpc.DecodeStub(self._channels[decode]).Generate(request, metadata=span.metadata())
             outcome: list[grpc.aio.AioRpcError] = []
             async with aclosing(self._relay(request_id, stream, decode, routed, outcome)) as events:
                 async for event in events:

@@ -28,6 +28,7 @@ from glmserve.services.router.app import create_app
 from glmserve.services.router.grpc_backend import DisaggregatedBackend
 from glmserve.services.router.prefill_routing import POLICIES, RoutingConfig
 from glmserve.services.router.worker_pool import check_address
+from glmserve.services.tracing import Tracing
 from glmserve.text.tokenizer import Tokenizer
 
 log = logging.getLogger("glmserve.router")
@@ -125,7 +126,8 @@ async def serve(config: RouterConfig) -> bool:
     model_config = json.loads((config.model / "config.json").read_text())
     tokenizer = await asyncio.to_thread(Tokenizer.from_dir, config.model)
     backend = DisaggregatedBackend(config.decode, config.prefill, config.kvstore,
-                                   poll_interval_s=config.poll_interval_s, routing=config.routing)
+                                   poll_interval_s=config.poll_interval_s, routing=config.routing,
+                                   tracing=Tracing.from_env("router"))
     app = create_app(backend, tokenizer, model_name=config.served_model_name or config.model.name,
                      api_keys=list(config.api_keys) or None,
                      max_context=model_config["max_position_embeddings"])

@@ -17,6 +17,9 @@ from glmserve.services.metrics_exposition import add_process_metrics, labelled, 
 
 ENDPOINTS = {"/v1/chat/completions": "chat_completions", "/v1/completions": "completions", "/v1/models": "models"}
 FINISH_REASONS = ("stop", "length")
+# Statuses every generating endpoint exports from the start: a counter series born at its first
+# increment has no rate() for that increment (a burst of 503s would never show).
+STATUSES = ("200", "400", "413", "429", "499", "500", "503")
 # no_worker: 503 while no prefill or decode worker is ready; the rest: the admission queue
 # (`admission.py`) and the edge limits (413 too_large, 400 invalid)
 REJECTION_REASONS = ("no_worker", "queue_full", "tenant_cap", "queue_timeout", "draining", "gone",
@@ -66,7 +69,8 @@ class RouterMetrics:
         for reason in REJECTION_REASONS:
             self.rejections.labels(reason=reason)
         for endpoint in ENDPOINTS.values():
-            self.requests.labels(endpoint=endpoint, status="200")
+            for status in STATUSES if endpoint != "models" else ("200",):
+                self.requests.labels(endpoint=endpoint, status=status)
         self.prompt_tokens = Counter(
             "glmserve_router_prompt_tokens", "Prompt tokens of accepted requests.", registry=r
         )

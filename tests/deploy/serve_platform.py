@@ -1,0 +1,133 @@
+"""`glmserve serve` as a subprocess for deployment tests, on ports fixed before it starts (a base of
+consecutive metrics ports, then the router's HTTP port), so a Prometheus config can name every target
+up front. Its stdout lines tell the children's pids and addresses, and restarts."""
+
+from __future__ import annotations
+
+import os
+import queue
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from tests.shared import MODEL_DIR, REPO
+
+
+def _ephemeral_low() -> int:
+    """The first port the kernel hands out for bind(0) and outgoing connections."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_port_run(count: int) -> int:
+    """The first of ``count`` consecutive ports free now, below the kernel's ephemeral range: no
+    bind(0) and no outgoing connection of the platform (or of anything else) can take one of them
+    between now and when the services bind them."""
+    rng = random.Random()
+    high = _ephemeral_low() - count
+    for _ in range(200):
+        base = rng.randrange(20000, high)
+        sockets = []
+        try:
+            for port in range(base, base + count):
+                s = socket.socket()
+                sockets.append(s)
+                s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in sockets:
+                s.close()
+    raise RuntimeError(f"no run of {count} free ports")
+
+
+class ServePlatform:
+    """`glmserve serve --port PORT --metrics-port BASE ...` with one line queue of its stdout."""
+
+    def __init__(self, log: Path, *args: str, prefill: int = 1, decode: int = 1, env: dict[str, str] | None = None):
+        self.prefill, self.decode = prefill, decode
+        self.metrics_base = free_port_run(2 + prefill + decode)  # kvstore, workers, then the router
+        self.port = self.metrics_base + 1 + prefill + decode
+        cmd = [sys.executable, "-m", "glmserve.cli", "serve", "--model", str(MODEL_DIR), "--port", str(self.port),
+               "--metrics-port", str(self.metrics_base), "--prefill-workers", str(prefill),
+               "--decode-workers", str(decode), *args]
+        child_env = {**os.environ, "PYTHONPATH": str(REPO), "NIXL_LOG_LEVEL": "WARN", **(env or {})}
+        self._log = log.open("w")
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env=child_env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                     stderr=self._log, text=True)
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.pids: dict[str, int] = {}
+        self.addresses: dict[str, str] = {}
+        threading.Thread(target=lambda: [self.lines.put(line) for line in self.proc.stdout], daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def metrics_targets(self) -> dict[str, list[str]]:
+        """Prometheus job -> targets, as the compose config names them."""
+        base, p = self.metrics_base, self.prefill
+        return {
+            "glmserve-router": [f"127.0.0.1:{self.port}"],
+            "glmserve-kvstore": [f"127.0.0.1:{base}"],
+            "glmserve-prefill": [f"127.0.0.1:{base + 1 + i}" for i in range(p)],
+            "glmserve-decode": [f"127.0.0.1:{base + 1 + p + j}" for j in range(self.decode)],
+        }
+
+    def expect(self, pattern: str, timeout_s: float = 60.0) -> re.Match[str]:
+        """Read stdout lines until one matches ``pattern`` (pids and addresses noted on the way)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            assert self.proc.poll() is None, f"the launcher exited with {self.proc.returncode}"
+            assert time.monotonic() < deadline, f"no line matching {pattern!r} in {timeout_s:.0f} s"
+            try:
+                line = self.lines.get(timeout=1)
+            except queue.Empty:
+                continue
+            if m := re.search(r"glmserve: (\S+)\s+(\S+)\s+\(.*pid (\d+)\)", line):
+                self.addresses[m.group(1)], self.pids[m.group(1)] = m.group(2), int(m.group(3))
+            if m := re.search(r"glmserve: (\S+) restarted \(pid (\d+)", line):
+                self.pids[m.group(1)] = int(m.group(2))
+            if m := re.search(pattern, line):
+                return m
+
+    def wait_serving(self, timeout_s: float = 400) -> None:
+        self.expect(r"serving \S+ at (http://\S+)/v1", timeout_s)
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Until the router's /ready answers 200 (every role has a healthy worker)."""
+        deadline = time.monotonic() + timeout_s
+        while not self._ready():
+            assert time.monotonic() < deadline, f"the router was not ready within {timeout_s:.0f} s"
+            time.sleep(0.5)
+
+    def _ready(self) -> bool:
+        try:
+            return httpx.get(f"{self.url}/ready", timeout=5).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    def kill(self, name: str) -> None:
+        os.kill(self.pids[name], signal.SIGKILL)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(120)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait(10)
+            self._log.close()
