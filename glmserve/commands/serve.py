@@ -53,6 +53,8 @@ class ServeConfig:
     drain_timeout_s: float = 30.0  # how long a stopping child may let running requests finish
     restart: RestartPolicy = field(default_factory=RestartPolicy)
     metrics_port_base: int = 0  # kvstore here, prefill-i at +1+i, decode-j after them; 0: free ports
+    prefill_stages: int = 1  # LayerSplit: stage processes per prefill worker
+    prefill_layer_split: str | None = None  # explicit stage ranges (else the planner's)
     routing: str = "cache_aware"  # the router's --routing (checked by the router)
 
     def __post_init__(self) -> None:
@@ -74,6 +76,22 @@ class ServeConfig:
             raise ValueError(f"ready_timeout_s: must be > 0, got {self.ready_timeout_s}")
         if self.drain_timeout_s < 0:
             raise ValueError(f"drain_timeout_s: must be >= 0, got {self.drain_timeout_s}")
+        if self.prefill_stages < 1:
+            raise ValueError(f"prefill_stages: must be >= 1, got {self.prefill_stages}")
+        self.layer_plan()  # ValueError naming prefill_stages or prefill_layer_split
+
+    def layer_plan(self):
+        """The LayerSplit plan every prefill worker's stages follow (None: one process each)."""
+        from glmserve.model.config import GlmConfig  # no torch: the launcher stays light
+        from glmserve.model.layer_split import parse_layer_split, plan_layer_split
+
+        if self.prefill_stages == 1 and self.prefill_layer_split is None:
+            return None
+        config = GlmConfig.from_pretrained(self.model)
+        if self.prefill_layer_split is not None:
+            stages = None if self.prefill_stages == 1 else self.prefill_stages
+            return parse_layer_split(self.prefill_layer_split, config, stages)
+        return plan_layer_split(config, self.prefill_stages)
 
     @property
     def grace_s(self) -> float:
@@ -89,6 +107,8 @@ class ServeConfig:
                    ready_timeout_s=args.ready_timeout, host_tier_bytes=args.host_tier_bytes,
                    drain_timeout_s=args.drain_timeout, restart=restart,
                    metrics_port_base=getattr(args, "metrics_port_base", 0),
+                   prefill_stages=getattr(args, "prefill_stages", 1),
+                   prefill_layer_split=getattr(args, "prefill_layer_split", None),
                    routing=getattr(args, "routing", cls.routing))
 
     def metrics_port(self, index: int) -> int | None:
@@ -99,6 +119,10 @@ class ServeConfig:
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     """The flags of `glmserve serve` (besides ``--model``); `ServeConfig.from_args` reads them."""
     p.add_argument("--prefill-workers", type=int, default=1)
+    p.add_argument("--prefill-stages", type=int, default=1,
+                   help="LayerSplit: stage processes per prefill worker, each holding a contiguous layer range")
+    p.add_argument("--prefill-layer-split", default=None,
+                   help="LayerSplit: explicit stage ranges, e.g. 0-3,4-7 (default: the placement planner's)")
     p.add_argument("--decode-workers", type=int, default=1)
     p.add_argument("--port", type=int, default=8000, help="the router's HTTP port on 127.0.0.1 (0: any free)")
     p.add_argument("--transfer", choices=["auto", "nixl", "tcp"], default="auto", help="KV transfer backend")
@@ -166,7 +190,9 @@ def plan(cfg: ServeConfig) -> list[ChildSpec]:
     py = sys.executable
     workers = [(kind, i) for kind, count in (("prefill", cfg.prefill_workers), ("decode", cfg.decode_workers))
                for i in range(count)]
-    free = iter(free_ports(cfg.host, 2 * (1 + len(workers)) + 1))
+    layers = cfg.layer_plan()
+    extra_stages = cfg.prefill_workers * (len(layers.stages) - 1) if layers is not None else 0
+    free = iter(free_ports(cfg.host, 2 * (1 + len(workers)) + 1 + extra_stages))
     metrics = [cfg.metrics_port(i) or next(free) for i in range(1 + len(workers))]  # kvstore, then workers
     kv_port, router_port = next(free), cfg.port or next(free)
     kv = f"{cfg.host}:{kv_port}"
@@ -181,11 +207,16 @@ def plan(cfg: ServeConfig) -> list[ChildSpec]:
     for (kind, i), metrics_port in zip(workers, metrics[1:], strict=True):
         address = f"{cfg.host}:{next(free)}"
         addresses[kind].append(address)
+        argv = (py, "-m", _WORKER_MODULES[kind], "--model", str(cfg.model), "--host", cfg.host,
+                "--worker-id", f"{kind}-{i}", "--transfer", cfg.transfer, "--kvstore", kv,
+                "--drain-timeout-s", str(cfg.drain_timeout_s), *labels)
+        if kind == "prefill" and layers is not None:
+            stages = [address, *(f"{cfg.host}:{next(free)}" for _ in layers.stages[1:])]
+            specs += stage_specs(f"{kind}-{i}", argv, stages, layers.spec(), metrics_port)
+            continue
         specs.append(ChildSpec(f"{kind}-{i}", kind, (
-            py, "-m", _WORKER_MODULES[kind], "--model", str(cfg.model), "--host", cfg.host,
-            "--port", address.rsplit(":", 1)[1], "--worker-id", f"{kind}-{i}", "--transfer", cfg.transfer,
-            "--kvstore", kv, "--drain-timeout-s", str(cfg.drain_timeout_s), "--metrics-port", str(metrics_port),
-            *labels), address, metrics_port, STOP_RANKS[kind]))
+            *argv, "--port", address.rsplit(":", 1)[1], "--metrics-port", str(metrics_port)),
+            address, metrics_port, STOP_RANKS[kind]))
     url = f"http://{cfg.host}:{router_port}"
     specs.append(ChildSpec("router", "router", (
         py, "-m", "glmserve.services.router.main", "--model", str(cfg.model), "--host", cfg.host,
@@ -194,6 +225,21 @@ def plan(cfg: ServeConfig) -> list[ChildSpec]:
         "--drain-timeout-s", str(cfg.drain_timeout_s),
         *[a for key in cfg.api_keys for a in ("--api-key", key)]),
         url, None, STOP_RANKS["router"], ready=http_ok(f"{url}/ready")))
+    return specs
+
+
+def stage_specs(name: str, argv: tuple[str, ...], addresses: list[str], split: str,
+                metrics_port: int) -> list[ChildSpec]:
+    """One LayerSplit prefill worker: a process per stage on fixed ports (each is told them all, so
+    a restarted stage comes back where the others look for it); stage 0, the head, serves Prefill
+    under the worker's name and has its metrics."""
+    specs = []
+    for k, address in enumerate(addresses):
+        stage = ("--port", address.rsplit(":", 1)[1], "--stage-index", str(k), "--stage-addresses",
+                 ",".join(addresses), "--layer-split", split)
+        metrics = ("--metrics-port", str(metrics_port)) if k == 0 else ()
+        specs.append(ChildSpec(name if k == 0 else f"{name}.s{k}", "prefill", (*argv, *stage, *metrics), address,
+                               metrics_port if k == 0 else None, STOP_RANKS["prefill"]))
     return specs
 
 
@@ -252,6 +298,9 @@ def run_serve(args: argparse.Namespace) -> int:
     status = 0
     try:
         specs = plan(config)
+        layers = config.layer_plan()
+        if layers is not None:
+            launcher.say(layers.describe())
         launcher.bring_up(specs)
         launcher.say(f"serving {config.model.name} at {specs[-1].address}/v1 (Ctrl-C stops every process)")
         launcher.serve_until_stopped()

@@ -25,14 +25,13 @@ from pathlib import Path
 
 import torch
 
-from glmserve.core.block_hash import CacheKeyRoot
 from glmserve.core.generation import SamplingParams, TokenEvent, check_prompt
 from glmserve.core.stop_checker import StopChecker
 from glmserve.engine.engine_config import EngineConfig
 from glmserve.engine.engine_stats import EngineLimits, EngineLoad, EngineStats
 from glmserve.engine.handoff import HeldPrefill, PrefillOutput
-from glmserve.engine.host_offload import HostOffload, HostWrite
-from glmserve.engine.kv_cache_manager import KVCacheManager
+from glmserve.engine.host_offload import HostOffload, HostWrite, attach_host_offload
+from glmserve.engine.kv_cache_manager import KVCacheManager, prefix_cache_root
 from glmserve.engine.logits_processor import LogitsProcessor
 from glmserve.engine.model_runner import ModelRunner
 from glmserve.engine.mtp_drafter import MTPDrafter
@@ -43,7 +42,7 @@ from glmserve.engine.scheduler import ScheduledWork, Scheduler, SchedulerConfig
 from glmserve.kv.block_pool import BlockListener, BlockPool
 from glmserve.model.dtype_choice import resolve_dtype
 from glmserve.model.glm_model import GlmForCausalLM
-from glmserve.model.kv_layout import LAYOUT_VERSION, KVLayout
+from glmserve.model.kv_layout import KVLayout
 from glmserve.model.loader import load_model
 from glmserve.model.paged_cache import PagedKVCache
 from glmserve.model.revision import model_revision
@@ -82,12 +81,7 @@ class Engine:
         self.cache = PagedKVCache(layout, num_blocks + config.host_staging_blocks)
         self.pool = BlockPool(num_blocks, on_evict=self._evicted)
         self.host_tier: HostOffload | None = None  # the CPU KV tier's engine side, once attached
-        root = None
-        if config.prefix_caching:
-            # Without a tokenizer digest the engine only ever sees token ids: a fixed tag says so.
-            key = CacheKeyRoot(revision or "unversioned", tokenizer_digest or "token-ids-only",
-                               str(model.dtype), config.block_size, LAYOUT_VERSION)
-            root = key.root_hash()
+        root = prefix_cache_root(model.dtype, config, revision, tokenizer_digest) if config.prefix_caching else None
         self.kv = KVCacheManager(self.pool, config.block_size, root)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_step_tokens), self.kv)
         self.runner = ModelRunner(model, self.cache)
@@ -173,11 +167,8 @@ class Engine:
         """Turn on the host tier's engine side (see `HostOffload`); ``notify`` gets each write and
         ``on_drop`` each eviction not demoted, on this engine's thread. Needs prefix caching (host
         blocks are found by hash)."""
-        if self.kv.root_hash is None:
-            raise ValueError("prefix_caching: the host tier needs prefix caching on")
-        self.host_tier = HostOffload(self.pool, self.cache.buffer, self.config.host_staging_blocks,
-                                     write_through=write_through, notify=notify, on_drop=on_drop)
-        self.kv.on_free = self.host_tier.on_free
+        self.host_tier = attach_host_offload(self.kv, self.cache.buffer, self.config.host_staging_blocks,
+                                             write_through, notify, on_drop)
         return self.host_tier
 
     def _evicted(self, block_id: int, block_hash: bytes) -> None:

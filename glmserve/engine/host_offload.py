@@ -22,10 +22,14 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from glmserve.kv.block_pool import BlockPool
+
+if TYPE_CHECKING:
+    from glmserve.engine.kv_cache_manager import KVCacheManager
 
 _KNOWN_LIMIT = 1 << 16  # hashes remembered as already on the host (a hint that saves demotions)
 
@@ -153,3 +157,15 @@ class HostOffload:
     @property
     def num_loads(self) -> int:
         return len(self._loads)
+
+
+def attach_host_offload(kv: KVCacheManager, buffer: torch.Tensor, num_staging: int, write_through: bool,
+                        notify: Callable[[HostWrite], None], on_drop: Callable[[], None] | None) -> HostOffload:
+    """The host tier's engine side over ``kv``'s pool (`Engine` and a LayerSplit stage alike): freed
+    blocks are written through or demoted from here on. Needs prefix caching (host blocks are
+    found by hash)."""
+    if kv.root_hash is None:
+        raise ValueError("prefix_caching: the host tier needs prefix caching on")
+    host = HostOffload(kv.pool, buffer, num_staging, write_through=write_through, notify=notify, on_drop=on_drop)
+    kv.on_free = host.on_free
+    return host

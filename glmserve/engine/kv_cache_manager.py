@@ -7,10 +7,27 @@ whose every token has been computed are committed (hashed) so that later request
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
-from glmserve.core.block_hash import block_hashes, reusable_blocks
+from glmserve.core.block_hash import CacheKeyRoot, block_hashes, reusable_blocks
 from glmserve.engine.request import Request
 from glmserve.kv.block_pool import BlockPool, OutOfBlocks
+from glmserve.model.kv_layout import LAYOUT_VERSION
+
+if TYPE_CHECKING:
+    import torch
+
+    from glmserve.engine.engine_config import EngineConfig
+
+
+def prefix_cache_root(dtype: torch.dtype, config: EngineConfig, revision: str = "",
+                      tokenizer_digest: str | None = None) -> bytes:
+    """The root of the prefix-cache hash chain: the same for the whole model and for every LayerSplit
+    stage of it (a stage holds its slice of the same blocks). Without a tokenizer digest the engine
+    only ever sees token ids: a fixed tag says so."""
+    key = CacheKeyRoot(revision or "unversioned", tokenizer_digest or "token-ids-only", str(dtype),
+                       config.block_size, LAYOUT_VERSION)
+    return key.root_hash()
 
 
 class KVCacheManager:

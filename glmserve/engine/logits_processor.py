@@ -91,6 +91,11 @@ class LogitsProcessor:
                 out[i] = self._processed(w.request, logits[i], w.request.drafts if w.is_decode else [])
         return out
 
+    def first_token_logits(self, req: Request, logits: torch.Tensor) -> torch.Tensor:
+        """The logits [1, V] a prefill samples its first token from (a LayerSplit stage computes
+        them outside a step): processed when the request needs it, else as they are."""
+        return logits if req.logits is None else self._processed(req, logits, [])
+
     def _processed(self, req: Request, rows: torch.Tensor, drafts: list[int]) -> torch.Tensor:
         state, p = req.logits, req.params
         x = rows.float().clone()

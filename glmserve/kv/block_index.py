@@ -11,6 +11,9 @@ Contract (every implementation keeps it; callers may use any of them interchange
 ``match(hashes) -> dict[str, PrefixMatch]``
     ``hashes`` are a prompt's block hashes in prompt order. For each worker, the length of the
     longest leading run of them it holds on the device tier and, separately, on the host tier.
+    The stages of a LayerSplit replica publish under ``stage_worker_id(replica, k, n)``; each
+    holds its slice of a block, so the replica holds a block only when all ``n`` stages do, and it
+    is matched under the replica's id.
     Workers with no leading block on either tier are left out; keys are sorted. The walk stops as
     soon as no worker still holds an unbroken run, so its cost follows the matched prefix, not
     the prompt length. Leading runs, not counts: a chain hash pins its whole prefix, but a worker
@@ -37,6 +40,7 @@ Hashes are opaque bytes (the chain hashes of ``glmserve.core.block_hash``). Impl
 
 from __future__ import annotations
 
+import re
 import threading
 import uuid
 from abc import ABC, abstractmethod
@@ -83,15 +87,41 @@ def check_event(worker: str, tier: Tier | str, hashes: Iterable[bytes]) -> tuple
     return worker, tier, hashes
 
 
+_STAGE_ID = re.compile(r"^(?P<replica>.+)#stage(?P<stage>\d+)/(?P<stages>\d+)$")
+
+
+def stage_worker_id(replica: str, stage: int, num_stages: int) -> str:
+    """The index holder id of stage ``stage`` of a LayerSplit replica (a whole prefill worker when
+    ``num_stages`` is 1, so a one-stage replica publishes under the replica's own id)."""
+    if not 0 <= stage < num_stages:
+        raise ValueError(f"stage: {stage} is not a stage of {num_stages}")
+    return replica if num_stages == 1 else f"{replica}#stage{stage}/{num_stages}"
+
+
+def _holding(holders: Iterable[Holder]) -> dict[Tier, set[str]]:
+    """Per tier, the workers (and the replicas all of whose stages) that hold one block."""
+    here: dict[Tier, set[str]] = {Tier.DEVICE: set(), Tier.HOST: set()}
+    stages: dict[tuple[Tier, str, int], set[int]] = {}
+    for worker, tier in holders:
+        staged = _STAGE_ID.match(worker)
+        if staged is None:
+            here[tier].add(worker)
+            continue
+        key = (tier, staged["replica"], int(staged["stages"]))
+        stages.setdefault(key, set()).add(int(staged["stage"]))
+    for (tier, replica, n), held in stages.items():
+        if len(held) == n:
+            here[tier].add(replica)
+    return here
+
+
 def longest_runs(holders_per_block: Iterable[Iterable[Holder]]) -> dict[str, PrefixMatch]:
     """The ``match`` walk over the holders of each prompt block, in order. Consumes the iterable
     lazily and stops once no worker still holds an unbroken run on any tier."""
     runs: dict[Tier, dict[str, int]] = {Tier.DEVICE: {}, Tier.HOST: {}}
     alive: dict[Tier, set[str]] | None = None  # workers whose run is unbroken so far, per tier
     for i, holders in enumerate(holders_per_block):
-        here: dict[Tier, set[str]] = {Tier.DEVICE: set(), Tier.HOST: set()}
-        for worker, tier in holders:
-            here[tier].add(worker)
+        here = _holding(holders)
         alive = here if alive is None else {t: alive[t] & here[t] for t in Tier}
         if not any(alive.values()):
             break

@@ -11,6 +11,12 @@ Every block ``0..num_blocks-1`` is in exactly one place:
 - stored: holds a committed hash (visible to ``match`` and ``begin_read``); with no reader it sits
   in the LRU (least recently used first), with readers it is pinned.
 
+LayerSplit stages write their slices of one whole-model block separately: a write lease with a
+``part`` (stage, stages) reserves the block (or joins the block another stage of the same split
+reserved for that hash), and the block becomes stored only once every stage's part committed. A
+block some parts committed but not all stays writing until ``lease_timeout_s`` after it was
+reserved, then ``expire`` frees it.
+
 Eviction (in ``begin_write``, when no block is free) only ever takes stored blocks with no reader:
 blocks being written or read are never touched. Leases carry a deadline: ``expire(now)`` ends
 those past it (the timeout backstop for a worker that died mid-transfer; pick it longer than the
@@ -47,6 +53,18 @@ class WriteLease:
     block_ids: list[int]
     deadline: float
     evicted: list[bytes] = field(default_factory=list)
+    part: tuple[int, int] | None = None  # (stage, stages): a LayerSplit stage's slice of each block
+
+
+@dataclass
+class _Parted:
+    """A block whose slices LayerSplit stages write separately."""
+
+    block_id: int
+    stages: int
+    deadline: float
+    committed: set[int] = field(default_factory=set)
+    leases: set[int] = field(default_factory=set)  # live leases writing a part of it
 
 
 @dataclass
@@ -82,6 +100,7 @@ class HostBlockPool:
         self._readers = [0] * num_blocks
         self._stored: dict[bytes, int] = {}  # visible hashes
         self._writing: dict[bytes, int] = {}  # hashes whose bytes are landing
+        self._parted: dict[bytes, _Parted] = {}  # those of them written in parts
         self._lru: OrderedDict[int, None] = OrderedDict()  # stored, no reader
         self._writes: dict[int, WriteLease] = {}
         self._reads: dict[int, ReadLease] = {}
@@ -126,11 +145,14 @@ class HostBlockPool:
 
     # -- writes -----------------------------------------------------------------------------------
 
-    def begin_write(self, hashes: Sequence[bytes], now: float) -> WriteLease:
+    def begin_write(self, hashes: Sequence[bytes], now: float, part: tuple[int, int] | None = None) -> WriteLease:
         """Reserve blocks for the hashes not stored or being written yet, in the given order, as
         many as free or evictable blocks allow (the rest are left out). Stored hashes among them
-        count as used (moved to the MRU end) so a write-through keeps them alive."""
-        lease = WriteLease(next(self._ids), [], [], now + self.lease_timeout_s)
+        count as used (moved to the MRU end) so a write-through keeps them alive. With ``part``
+        (stage, stages) the lease writes that stage's slice, joining blocks other stages reserved."""
+        if part is not None and not 0 <= part[0] < part[1]:
+            raise ValueError(f"part: stage {part[0]} of {part[1]}")
+        lease = WriteLease(next(self._ids), [], [], now + self.lease_timeout_s, part=part)
         for block_hash in hashes:
             if not isinstance(block_hash, bytes) or not block_hash:
                 raise ValueError("hashes: every block hash must be non-empty bytes")
@@ -141,16 +163,31 @@ class HostBlockPool:
                     self._lru.move_to_end(stored)
                 continue
             if block_hash in self._writing:
+                self._join(lease, block_hash)
                 continue
             block_id = self._take(lease.evicted)
             if block_id is None:
                 break
             self._hash[block_id] = block_hash
             self._writing[block_hash] = block_id
+            if part is not None:
+                self._parted[block_hash] = _Parted(block_id, part[1], lease.deadline, leases={lease.lease_id})
             lease.hashes.append(block_hash)
             lease.block_ids.append(block_id)
         self._writes[lease.lease_id] = lease
         return lease
+
+    def _join(self, lease: WriteLease, block_hash: bytes) -> None:
+        """Add another stage's part of a block being written in parts (nothing otherwise)."""
+        parted = self._parted.get(block_hash)
+        if lease.part is None or parted is None or parted.stages != lease.part[1]:
+            return
+        stage = lease.part[0]
+        if stage in parted.committed or any(self._writes[i].part == lease.part for i in parted.leases):
+            return
+        parted.leases.add(lease.lease_id)
+        lease.hashes.append(block_hash)
+        lease.block_ids.append(parted.block_id)
 
     def _take(self, evicted: list[bytes]) -> int | None:
         if self._free:
@@ -167,22 +204,43 @@ class HostBlockPool:
         return block_id
 
     def commit_write(self, lease_id: int) -> list[bytes]:
-        """The lease's bytes all landed: its hashes become visible (most recently used, in order).
-        Returns them. KeyError if the lease is unknown (expired, or never granted)."""
+        """The lease's bytes all landed: its hashes become visible (most recently used, in order),
+        a block written in parts once its last part is here. Returns the hashes now stored.
+        KeyError if the lease is unknown (expired, or never granted)."""
         lease = self._writes.pop(lease_id)
+        done = []
         for block_hash, block_id in zip(lease.hashes, lease.block_ids, strict=True):
+            parted = self._parted.get(block_hash)
+            if parted is not None:
+                parted.leases.discard(lease_id)
+                assert lease.part is not None
+                parted.committed.add(lease.part[0])
+                if len(parted.committed) < parted.stages:
+                    continue
+                del self._parted[block_hash]
             del self._writing[block_hash]
             self._stored[block_hash] = block_id
             self._lru[block_id] = None
-        return list(lease.hashes)
+            done.append(block_hash)
+        return done
 
     def abort_write(self, lease_id: int) -> None:
-        """Give the lease's blocks back. Only once no more bytes can land in them (drained)."""
+        """Give the lease's blocks back. Only once no more bytes can land in them (drained). A block
+        other stages' parts were committed to waits for its deadline (a later write may finish it)."""
         lease = self._writes.pop(lease_id)
         for block_hash, block_id in zip(lease.hashes, lease.block_ids, strict=True):
-            del self._writing[block_hash]
-            self._hash[block_id] = None
-            self._free.append(block_id)
+            parted = self._parted.get(block_hash)
+            if parted is not None:
+                parted.leases.discard(lease_id)
+                if parted.leases or parted.committed:
+                    continue
+                del self._parted[block_hash]
+            self._free_writing(block_hash, block_id)
+
+    def _free_writing(self, block_hash: bytes, block_id: int) -> None:
+        del self._writing[block_hash]
+        self._hash[block_id] = None
+        self._free.append(block_id)
 
     # -- reads ------------------------------------------------------------------------------------
 
@@ -219,6 +277,10 @@ class HostBlockPool:
             self.end_read(lease_id)
         for lease_id in writes:
             self.abort_write(lease_id)
+        for block_hash, parted in list(self._parted.items()):  # parts that never all came
+            if parted.deadline <= now and not parted.leases:
+                del self._parted[block_hash]
+                self._free_writing(block_hash, parted.block_id)
         return Expired(reads, writes)
 
     # -- checks -----------------------------------------------------------------------------------
@@ -255,6 +317,10 @@ class HostBlockPool:
                 fail(f"stored block {block_id}: in LRU iff it has no reader")
         if len(self._lru) > len(self._stored):
             fail("LRU holds blocks that are not stored")
-        leased = sorted(b for lease in self._writes.values() for b in lease.block_ids)
-        if leased != sorted(self._writing.values()):
+        leased = {b for lease in self._writes.values() for b in lease.block_ids}
+        leased |= {p.block_id for p in self._parted.values()}
+        if leased != set(self._writing.values()):
             fail("blocks being written do not match the write leases")
+        for block_hash, parted in self._parted.items():
+            if self._writing.get(block_hash) != parted.block_id or len(parted.committed) >= parted.stages:
+                fail(f"block {parted.block_id} written in parts is not writing or is complete")

@@ -10,6 +10,10 @@ commits them once done (or gives them back once drained; a write that could not 
 drained leaves its lease to the kvstore's timeout). The engine gets its rows back when the write
 is final.
 
+A LayerSplit stage's rows are its slice of the host tier's whole-model blocks (``start`` with the
+slice): it writes only that slice of each block, as its part (``part``: the host stores a block
+once every stage's part landed), and loads back only that slice.
+
 Load-back (prefill): ``load`` finds the prompt's blocks that are on the host but not on device,
 pins the device hits and allocates destination blocks (`HostOffload.begin_load`), and asks the
 kvstore to write them (``host_load``; stamp (engine key, generation), checked on arrival). On
@@ -31,11 +35,12 @@ from typing import TYPE_CHECKING
 from glmserve.core.block_hash import block_hashes, reusable_blocks
 from glmserve.engine.host_offload import HostWrite
 from glmserve.kv.host_pool import write_stamp
-from glmserve.kv.transfer import KVTransferBackend, TransferError, TransferStamp
+from glmserve.kv.transfer import BlockWindow, KVTransferBackend, TransferError, TransferStamp
 from glmserve.kv.transfer.timeouts import AGREED
 from glmserve.services.engine_host import EngineHost
 from glmserve.services.host_metrics import HostTierMetrics
 from glmserve.services.kvstore.client import AsyncKVStoreClient, HostAttachment, KVStoreError
+from glmserve.services.stamp_waiter import StampWaiter
 
 if TYPE_CHECKING:
     import torch
@@ -82,7 +87,9 @@ class Loaded:
 
 class HostTierLink:
     def __init__(self, settings: HostTierSettings, transfer: KVTransferBackend, engine: EngineHost,
-                 metrics: HostTierMetrics | None, *, rpc_timeout_s: float = 2.0) -> None:
+                 metrics: HostTierMetrics | None, *, rpc_timeout_s: float = 2.0,
+                 part: tuple[int, int] | None = None) -> None:
+        """``part``: (stage, stages) of a LayerSplit stage (its writes are that part of each block)."""
         self.address, self.worker_id = settings.address, settings.worker_id
         self._transfer, self._engine, self.metrics = transfer, engine, metrics
         self._write_through, self._load_timeout_s = settings.write_through, settings.load_timeout_s
@@ -92,7 +99,8 @@ class HostTierLink:
         self._root: bytes | None = None
         self._block_size = self._block_bytes = 0
         self._tasks: set[asyncio.Task[None]] = set()
-        self._arrived: set[TransferStamp] = set()
+        self._stamps = StampWaiter(transfer.completions)
+        self._part, self._row_offset, self._row_bytes = part, 0, 0
         self._instance: str | None = None  # the kvstore instance attached to
         self._refused = False  # the kvstore refused to attach us (no host tier, another block size)
         self._watcher: asyncio.Task[None] | None = None
@@ -100,11 +108,13 @@ class HostTierLink:
 
     # -- setup --------------------------------------------------------------------------------------
 
-    async def start(self, buffer: torch.Tensor) -> bool:
+    async def start(self, buffer: torch.Tensor, row_offset: int = 0, row_bytes: int = 0) -> bool:
         """Attach to the host tier (after ``transfer.register(buffer)``) and keep watching it; False,
-        logged, if it cannot attach now (the watcher attaches once the kvstore answers)."""
+        logged, if it cannot attach now (the watcher attaches once the kvstore answers).
+        ``row_offset``/``row_bytes``: our rows are that slice of whole-model blocks (a stage)."""
         self._client = AsyncKVStoreClient(self.address, timeout_s=self._rpc_timeout_s)
         self._block_bytes = buffer[0].numel() * buffer.element_size()
+        self._row_offset, self._row_bytes = row_offset, row_bytes
         attached = await self._connect(wait_s=60.0)
         self._watcher = asyncio.create_task(self._watch())
         return attached
@@ -115,9 +125,10 @@ class HostTierLink:
         engine's host side; ``ready`` when all of it worked. A kvstore that refuses (it has no host
         tier, or another block size) is not asked again until it restarted."""
         self.ready = False
+        window = BlockWindow(0, self._row_offset, self._block_bytes) if self._row_bytes else None
         try:
             attachment = await self._attach(wait_s)
-            self._peer = await asyncio.to_thread(self._transfer.connect, attachment.target_info)
+            self._peer = await asyncio.to_thread(self._transfer.connect, attachment.target_info, window)
         except (KVStoreError, TransferError, ValueError, OSError) as e:
             log.warning("host tier at %s not used for now: %s", self.address, e)
             self._refused = not (isinstance(e, KVStoreError) and e.unavailable)
@@ -162,7 +173,8 @@ class HostTierLink:
         while True:
             try:
                 return await self._client.host_attach(self.worker_id, self._transfer.kind, self._block_bytes,
-                                                      self._transfer.target_info())
+                                                      self._transfer.target_info(), self._row_offset,
+                                                      self._row_bytes)
             except KVStoreError as e:
                 if not e.unavailable or time.monotonic() > deadline:
                     raise
@@ -202,7 +214,7 @@ class HostTierLink:
         assert self._client is not None
         if not self.ready or self._peer is None:
             return []  # detached (kvstore down or restarting): the write is skipped
-        grant = await self._client.host_begin_write(self.worker_id, write.hashes)
+        grant = await self._client.host_begin_write(self.worker_id, write.hashes, self._part)
         if not grant.lease_id:
             return []
         row_of = dict(zip(write.hashes, write.rows, strict=True))
@@ -282,16 +294,7 @@ class HostTierLink:
 
     async def _await_stamp(self, expected: TransferStamp, timeout_s: float = 5.0) -> None:
         """The load's completion (DESIGN invariant 3: check the stamp before using the blocks)."""
-        deadline = time.monotonic() + timeout_s
-        while expected not in self._arrived:
-            for stamp in self._transfer.completions():
-                self._arrived.add(stamp)
-            if expected in self._arrived:
-                break
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"no completion for {expected.request_id}@{expected.generation}")
-            await asyncio.sleep(0.001)
-        self._arrived.discard(expected)  # exactly this (engine key, generation): an older one never matches
+        await self._stamps.wait(expected, timeout_s)
 
     async def cancel(self, key: str, generation: int) -> None:
         """Stop a running load (the awaiting ``load`` then raises `LoadAborted`)."""

@@ -140,13 +140,12 @@ def test_layersplit_stages_are_paired_statefulsets() -> None:
         assert sts["spec"]["replicas"] == 2 and sts["spec"]["podManagementPolicy"] == "Parallel"
         assert sts["spec"]["selector"]["matchLabels"]["glmserve.io/stage"] == str(i)
         args = sts["spec"]["template"]["spec"]["containers"][0]["args"]
-        assert f"--stage-index={i}" in args and "--stages=4" in args and "--layer-split=0-18,19-38,39-58,59-77" in args
-        nxt = [a for a in args if a.startswith("--next-stage=")]
-        if i < 3:  # pod r of stage i talks to pod r of stage i + 1
-            assert nxt == [f"--next-stage=glm-glmserve-prefill-s{i + 1}-$(POD_INDEX).glm-glmserve-prefill-s{i + 1}"
-                           f".serving.svc:50061"]
-        else:
-            assert nxt == []
+        assert f"--stage-index={i}" in args and "--layer-split=0-18,19-38,39-58,59-77" in args
+        # Pod r of every stage is replica r: each knows every stage's pod r, and the replica's id.
+        addresses = [f"glm-glmserve-prefill-s{j}-$(POD_INDEX).glm-glmserve-prefill-s{j}.serving.svc:50061"
+                     for j in range(4)]
+        assert f"--stage-addresses={','.join(addresses)}" in args
+        assert [a for a in args if a.startswith("--worker-id=")] == ["--worker-id=glm-glmserve-prefill-s0-$(POD_INDEX)"]
         gpus = sts["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"]
         assert gpus == 8
 

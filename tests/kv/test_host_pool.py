@@ -84,6 +84,36 @@ def test_expire_ends_leases_past_their_deadline() -> None:
     pool.check_integrity()
 
 
+def test_layersplit_parts_store_a_block_once_every_stage_wrote_its_slice() -> None:
+    pool = HostBlockPool(4, lease_timeout_s=10.0)
+    s0 = pool.begin_write([h(0), h(1)], now=0.0, part=(0, 2))
+    s1 = pool.begin_write([h(1), h(0), h(2)], now=1.0, part=(1, 2))  # joins the blocks stage 0 reserved
+    assert (s1.hashes, s1.block_ids) == ([h(1), h(0), h(2)], [1, 0, 2])
+    assert pool.begin_write([h(0)], now=1.0, part=(1, 2)).block_ids == []  # stage 1 already writes it
+    assert pool.begin_write([h(0)], now=1.0).block_ids == []  # a whole-block writer leaves it alone
+    assert pool.commit_write(s0.lease_id) == []  # stage 1's slices are still missing
+    assert pool.match([h(0)]) == 0
+    assert pool.commit_write(s1.lease_id) == [h(1), h(0)]  # h(2) waits for stage 0
+    assert pool.match([h(0), h(1), h(2)]) == 2
+    pool.check_integrity()
+    late = pool.begin_write([h(2)], now=2.0, part=(0, 2))
+    assert late.block_ids == [2] and pool.commit_write(late.lease_id) == [h(2)]
+    # A block some stages committed waits for the rest until its deadline, then is freed.
+    s1 = pool.begin_write([h(3)], now=3.0, part=(1, 2))
+    pool.commit_write(s1.lease_id)
+    pool.expire(12.9)
+    assert pool.num_pinned == 1
+    pool.expire(13.0)
+    assert pool.num_pinned == 0 and not pool.contains(h(3))
+    # A part given back before any part landed frees its block at once.
+    s0 = pool.begin_write([h(3)], now=14.0, part=(0, 2))
+    pool.abort_write(s0.lease_id)
+    assert pool.num_pinned == 0
+    pool.check_integrity()
+    with pytest.raises(ValueError, match="part"):
+        pool.begin_write([h(4)], now=0.0, part=(2, 2))
+
+
 def test_integrity_check_catches_corruption() -> None:
     pool = stored_pool(3, 2)
     pool._free.append(0)  # a stored block also on the free list
@@ -99,7 +129,8 @@ def test_random_operations_keep_integrity() -> None:
         now = float(step)
         op = rng.randrange(5)
         if op == 0:
-            writes.append(pool.begin_write([h(rng.randrange(20)) for _ in range(3)], now).lease_id)
+            part = rng.choice([None, (0, 2), (1, 2)])  # whole blocks, or a LayerSplit stage's slices
+            writes.append(pool.begin_write([h(rng.randrange(20)) for _ in range(3)], now, part).lease_id)
         elif op == 1 and writes:
             lease_id = writes.pop(rng.randrange(len(writes)))
             if lease_id in pool._writes:

@@ -19,6 +19,7 @@ from tests.kv.transfer_peer import (
     check_cancel_drains,
     check_exact_write,
     check_peer_death,
+    check_window_write,
     make_source,
 )
 
@@ -68,6 +69,10 @@ def test_write_lands_exactly_and_stamp_verifies(writer, receiver, source):
     backend, peer = writer
     check_exact_write(backend, peer, receiver, source)
     assert backend.connect(receiver.target_info) == peer  # cached
+
+
+def test_a_window_moves_only_its_bytes(receiver):
+    check_window_write(lambda src: nixl_writer(src, chunk_bytes=1 << 20), receiver, BLOCK_BYTES)
 
 
 def test_cancel_between_chunks_drains_a_64mib_write(writer, receiver):

@@ -8,6 +8,7 @@ import torch
 from glmserve.kv.transfer import (
     ChecksumMismatchError,
     StaleTransferError,
+    StampPart,
     TransferStamp,
     block_checksum,
     verify_stamp,
@@ -87,3 +88,18 @@ def test_verify_without_checksum_or_buffer_checks_the_ids_only():
     verify_stamp(TransferStamp("r", 1), request_id="r", generation=1, buffer=cache(), block_ids=[0])
     stamped = TransferStamp("r", 1).with_checksum(cache(), [0])
     verify_stamp(stamped, request_id="r", generation=1)  # no buffer given: no checksum pass
+
+
+def test_a_part_round_trips_and_its_checksum_covers_its_window():
+    part = StampPart(stage=1, stages=2, chunk=3, chunks=4, first_block=8, num_blocks=2, offset=16, length=32)
+    buffer = torch.arange(4 * 64, dtype=torch.int32).view(4, 64)
+    stamp = TransferStamp("r", 2, part=part).with_checksum(buffer, [1, 3], 16, 32)
+    assert TransferStamp.decode(stamp.encode()) == stamp and stamp.part == part
+    verify_stamp(stamp, request_id="r", generation=2, buffer=buffer, block_ids=[1, 3])
+    buffer[1, 0] = -1  # outside the window (bytes 0..3): still the same part
+    verify_stamp(stamp, request_id="r", generation=2, buffer=buffer, block_ids=[1, 3])
+    buffer[1, 5] = -1  # byte 20: inside
+    with pytest.raises(ChecksumMismatchError):
+        verify_stamp(stamp, request_id="r", generation=2, buffer=buffer, block_ids=[1, 3])
+    with pytest.raises(ValueError, match="part"):
+        StampPart(stage=2, stages=2, chunk=0, chunks=1, first_block=0, num_blocks=1)

@@ -14,6 +14,7 @@ from tests.kv.transfer_peer import (
     check_cancel_drains,
     check_exact_write,
     check_peer_death,
+    check_window_write,
     make_source,
 )
 
@@ -50,6 +51,15 @@ def test_write_lands_exactly_and_stamp_verifies(writer, receiver):
     backend, peer, src = writer
     check_exact_write(backend, peer, receiver, src)
     assert backend.connect(receiver.target_info) == peer  # cached
+
+
+def test_a_window_moves_only_its_bytes(receiver):
+    def writer(src):
+        backend = TcpTransferBackend(chunk_bytes=100_000)  # frames that do not divide the window
+        backend.register(src)
+        return backend
+
+    check_window_write(writer, receiver, BLOCK_BYTES)
 
 
 def test_cancel_drains_a_64mib_write(writer, receiver):

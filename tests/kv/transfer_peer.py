@@ -47,6 +47,8 @@ def _serve(
         elif cmd == "snapshot":  # a memcpy: milliseconds, so late bytes cannot hide in its window
             snapshot.copy_(buffer)
             conn.send("ok")
+        elif cmd == "read":  # bytes of one block
+            conn.send(bytes(buffer[args[0]].view(torch.uint8).numpy()))
         elif cmd == "changed":  # blocks that differ from the snapshot
             conn.send([i for i in range(num_blocks) if not torch.equal(buffer[i], snapshot[i])])
         elif cmd == "wait":  # the next completion of request args[1], or None after args[0] seconds
@@ -121,6 +123,9 @@ class ReceiverProcess:
 
     def snapshot(self) -> None:
         self.call("snapshot")
+
+    def read(self, block_id: int) -> bytes:
+        return self.call("read", block_id)
 
     def changed_since_snapshot(self) -> list[int]:
         return self.call("changed")
@@ -202,6 +207,41 @@ def check_exact_write(writer: Any, peer: str, receiver: ReceiverProcess, src: to
     for block in range(len(after)):
         expected = row_digest(src, src_ids[dst_ids.index(block)]) if block in dst_ids else before[block]
         assert after[block] == expected, f"block {block}"
+
+
+def check_window_write(writer_factory: Any, receiver: ReceiverProcess, block_bytes: int) -> None:
+    """A `BlockWindow` moves only its bytes: from an offset of the writer's (larger) rows to an offset
+    of the receiver's; the rest of each destination row is untouched; a part stamp's checksum
+    covers exactly the window."""
+    import pytest
+
+    from glmserve.kv.transfer import BlockWindow, StampPart, TransferStamp
+
+    src = make_source(6, 2 * block_bytes, seed=5)
+    writer = writer_factory(src)
+    try:
+        window = BlockWindow(block_bytes + 4096, block_bytes // 4, block_bytes // 2)
+        peer = writer.connect(receiver.target_info, window)
+        assert peer != writer.connect(receiver.target_info, BlockWindow(0, 0, block_bytes))  # a peer per window
+        before = {d: receiver.read(d) for d in (9, 4)}
+        part = StampPart(1, 2, 0, 1, 0, 2, window.dst_offset, window.length)
+        stamp = TransferStamp("req-window", 1, part=part).with_checksum(src, [2, 5], window.src_offset, window.length)
+        handle = writer.write(peer, stamp, [2, 5], [9, 4])
+        assert handle.wait(20) == "done", handle.error
+        assert handle.num_bytes == 2 * window.length
+        assert receiver.wait_completion("req-window", 10) == stamp
+        assert receiver.verify(stamp, "req-window", 1, [9, 4]) == "ok"
+        lo, hi = window.dst_offset, window.dst_offset + window.length
+        for s_row, d in ((2, 9), (5, 4)):
+            got, old = receiver.read(d), before[d]
+            want = bytes(src[s_row].view(torch.uint8).numpy())[window.src_offset : window.src_offset + window.length]
+            assert got[lo:hi] == want and got[:lo] == old[:lo] and got[hi:] == old[hi:]
+        with pytest.raises(ValueError, match="window"):
+            writer.connect(receiver.target_info, BlockWindow(0, block_bytes // 2, block_bytes))
+        with pytest.raises(ValueError, match="block size"):
+            writer.connect(receiver.target_info)
+    finally:
+        writer.close()
 
 
 def check_cancel_drains(

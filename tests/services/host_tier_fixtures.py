@@ -20,8 +20,10 @@ from glmserve.services.metrics_exposition import SERVICE_LABELS
 class HostKVStore:
     """``python -m glmserve.services.kvstore.main --host-tier-bytes N --transfer KIND``."""
 
-    def __init__(self, log: Path, transfer: str, host_tier_bytes: int, *extra: str) -> None:
+    def __init__(self, log: Path, transfer: str, host_tier_bytes: int, *extra: str,
+                 start_timeout_s: float = 30.0) -> None:
         self.port, self.metrics_port, self.log = free_port(), free_port(), log
+        self._start_timeout_s = start_timeout_s
         self._cmd = [sys.executable, "-m", "glmserve.services.kvstore.main", "--host", "127.0.0.1",
                      "--port", str(self.port), "--metrics-port", str(self.metrics_port),
                      "--host-tier-bytes", str(host_tier_bytes), "--transfer", transfer, *extra]
@@ -42,7 +44,7 @@ class HostKVStore:
             self.proc = subprocess.Popen(self._cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO)
         self.client = KVStoreClient(self.address, timeout_s=2.0)
         log = self.log
-        deadline = time.monotonic() + 30.0
+        deadline = time.monotonic() + self._start_timeout_s
         while True:
             try:
                 self.client.health()

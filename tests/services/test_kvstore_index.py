@@ -15,6 +15,7 @@ from glmserve.kv.block_index import (
     InMemoryBlockIndex,
     PrefixMatch,
     Tier,
+    stage_worker_id,
 )
 from glmserve.services.kvstore.redis_index import RedisBlockIndex
 
@@ -49,6 +50,23 @@ def test_leading_run_per_worker_and_tier(index: BlockIndex) -> None:
     assert index.match(H[:6]) == {"w1": PrefixMatch(4, 0), "w2": PrefixMatch(2, 5)}
     assert index.match(H[:3]) == {"w1": PrefixMatch(3, 0), "w2": PrefixMatch(2, 3)}
     assert list(index.match(H[:6])) == ["w1", "w2"]  # sorted keys
+
+
+def test_a_layersplit_replica_holds_a_block_when_every_stage_does(index: BlockIndex) -> None:
+    """Each stage holds its slice of a block; the replica is matched under its own id, on the
+    shortest stage's run (a stage that evicted a block ends the replica's run there)."""
+    s0, s1 = stage_worker_id("p0", 0, 2), stage_worker_id("p0", 1, 2)
+    assert stage_worker_id("p1", 0, 1) == "p1"  # a one-stage replica is a plain worker
+    index.stored(s0, D, H[:5])
+    index.stored(s1, D, H[:3])
+    index.stored(stage_worker_id("p2", 0, 2), D, H[:5])  # p2's second stage holds nothing
+    assert index.match(H[:6]) == {"p0": PrefixMatch(3, 0)}
+    index.removed(s1, D, [H[1]])
+    assert index.match(H[:6]) == {"p0": PrefixMatch(1, 0)}
+    index.remove_worker(s0)
+    assert index.match(H[:6]) == {}
+    with pytest.raises(ValueError, match="stage"):
+        stage_worker_id("p0", 2, 2)
 
 
 def test_a_gap_ends_the_run(index: BlockIndex) -> None:

@@ -79,6 +79,9 @@ def test_grammar_from_response_format_and_tool_choice():
         assert _chat(tools=TOOLS, tool_choice=free).grammar() is None
     with_format = _chat(tools=TOOLS, tool_choice="auto", response_format={"type": "json_object"})
     assert with_format.grammar().kind == "json_object"
+    completion = parse_body(CompletionRequest, json.dumps({"model": "m", "prompt": "x", "response_format": {
+        "type": "json_object"}}).encode())
+    assert completion.grammar().kind == "json_object"
 
 
 def test_tools_are_active_unless_tool_choice_is_none():

@@ -162,6 +162,11 @@ def test_bad_arguments_are_refused_before_anything_starts(tmp_path: Path) -> Non
         ServeConfig(MODEL_DIR, prefill_workers=0)
     with pytest.raises(ValueError, match="transfer"):
         ServeConfig(MODEL_DIR, transfer="carrier-pigeon")
+    with pytest.raises(ValueError, match="prefill_stages"):
+        ServeConfig(MODEL_DIR, prefill_stages=9)  # the bundled model has 8 layers
+    with pytest.raises(ValueError, match="prefill_layer_split: 2 ranges for 4 prefill stages"):
+        ServeConfig(MODEL_DIR, prefill_stages=4, prefill_layer_split="0-3,4-7")
+    assert ServeConfig(MODEL_DIR, prefill_layer_split="0-2,3-7").layer_plan().ranges == (range(0, 3), range(3, 8))
     with pytest.raises(ValueError, match="drain_timeout_s"):
         ServeConfig(MODEL_DIR, drain_timeout_s=-1)
 
@@ -183,15 +188,19 @@ def _pids_alive(pids: list[int]) -> list[int]:
 @pytest.mark.slow
 @pytest.mark.skipif(not HAS_MODEL, reason="bundled model missing")
 @pytest.mark.skipif(bool(WORKERS_MISSING), reason=f"worker services not built yet: {WORKERS_MISSING}")
-def test_serve_answers_the_openai_client_and_stops_every_process(tmp_path: Path) -> None:
+@pytest.mark.parametrize("stages", [1, 2])
+def test_serve_answers_the_openai_client_and_stops_every_process(tmp_path: Path, stages: int) -> None:
+    """With --prefill-stages 2 the prefill worker is a LayerSplit replica of two processes."""
     cmd = [sys.executable, "-m", "glmserve.cli", "serve", "--model", str(MODEL_DIR),
-           "--prefill-workers", "1", "--decode-workers", "1", "--port", "0", "--ready-timeout", "240"]
+           "--prefill-workers", "1", "--decode-workers", "1", "--port", "0", "--ready-timeout", "240",
+           "--prefill-stages", str(stages)]
     log = (tmp_path / "serve.log").open("w")
     proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
                             stdout=subprocess.PIPE, stderr=log, text=True)
     lines: queue.Queue[str] = queue.Queue()
     threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
     pids: list[int] = []
+    planned = False
     try:
         url = None
         deadline = time.monotonic() + 300
@@ -203,9 +212,11 @@ def test_serve_answers_the_openai_client_and_stops_every_process(tmp_path: Path)
             except queue.Empty:
                 continue
             pids += [int(p) for p in re.findall(r"pid (\d+)", line)]
+            planned = planned or "LayerSplit plan (planned): 2 stage(s)" in line
             if m := re.search(r"serving \S+ at (http://\S+/v1)", line):
                 url = m.group(1)
-        assert len(pids) == 4  # kvstore, prefill, decode, router
+        assert len(pids) == 3 + stages  # kvstore, prefill (a process per stage), decode, router
+        assert planned == (stages == 2)  # the plan is printed at start
 
         client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=120)
         messages = [{"role": "user", "content": "What does json/decoder.py do?"}]

@@ -18,3 +18,17 @@ def test_kvstore_and_revision_flags(config) -> None:
     for bad in ("nohost", "h:0", ":50070", "h:port"):
         with pytest.raises(ValueError, match="kvstore"):
             config.from_args([*BASE, "--kvstore", bad])
+
+
+def test_layersplit_stage_flags() -> None:
+    base = ["--model", "m", "--worker-id", "p0", "--port", "5001"]
+    c = PrefillConfig.from_args([*base, "--stage-index", "1", "--stage-addresses", "a:5000, b:5001",
+                                 "--layer-split", "0-3,4-7", "--chunk-tokens", "512"])
+    assert (c.stage_index, c.stage_address_list, c.layer_split, c.chunk_tokens) == (1, ["a:5000", "b:5001"],
+                                                                                    "0-3,4-7", 512)
+    for extra, message in [(["--stage-index", "0"], "stage_index: --stage-index and --stage-addresses"),
+                           (["--stage-index", "2", "--stage-addresses", "a:5000,b:5001"], "stage_index: 2"),
+                           (["--stage-index", "0", "--stage-addresses", "a:5000,b:5001"], "stage_addresses"),
+                           (["--chunk-tokens", "0"], "chunk_tokens")]:
+        with pytest.raises(ValueError, match=message):
+            PrefillConfig.from_args([*base, *extra])

@@ -222,7 +222,7 @@ def test_arrivals_accept_only_the_expected_pair():
         assert not arrivals.deliver(TransferStamp("a", 1))  # older generation
         assert not arrivals.deliver(TransferStamp("a", 3))  # ahead of the current one
         assert not arrivals.deliver(TransferStamp("b", 2))  # nobody waits for b
-        assert arrivals.deliver(TransferStamp("a", 2)) and future.result() == TransferStamp("a", 2)
+        assert arrivals.deliver(TransferStamp("a", 2)) and future.result() == (TransferStamp("a", 2),)
         assert not arrivals.deliver(TransferStamp("a", 2))  # a duplicate
         gone = arrivals.expect("c", 1)
         arrivals.forget("c", 1)
@@ -247,3 +247,15 @@ def test_prefill_history_moves_forward():
     assert not h.abort("y", 1)
     with pytest.raises(ValueError, match="ttl_s"):
         PrefillHistory(ttl_s=0)
+
+
+def test_transfer_timeline_counts_overlapping_writes_once_and_what_outlived_compute():
+    from glmserve.services.prefill.stage_job import StageOutcome
+    from glmserve.services.prefill.transfer_timeline import TransferTimeline
+
+    stage0 = StageOutcome(True, computed_at=5.0, writes=((1.0, 2.0, 10), (4.0, 6.0, 10)))
+    stage1 = StageOutcome(True, computed_at=8.0, writes=((1.5, 3.0, 5), (7.5, 9.0, 5)))
+    t = TransferTimeline.of([stage0, stage1])
+    assert (t.busy_s, t.exposed_s, t.num_bytes) == (2.0 + 2.0 + 1.5, 1.0, 30)  # [1,3] + [4,6] + [7.5,9]
+    assert abs(t.hidden - (1 - 1.0 / 5.5)) < 1e-12
+    assert TransferTimeline.of([StageOutcome(True, computed_at=1.0)]).hidden == 1.0

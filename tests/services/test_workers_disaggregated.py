@@ -19,14 +19,20 @@ import grpc
 import jsonschema
 import pytest
 from logprob_oracle import reference_logprobs
-from worker_fixtures import HAS_MODEL, MODEL_DIR, Outcome, WorkerProcess, generate, generate_request
+from worker_fixtures import (
+    HAS_MODEL,
+    MODEL_DIR,
+    Outcome,
+    WorkerProcess,
+    generate,
+    generate_request,
+    greedy_oracle,
+)
 
 from glmserve.core.generation import SamplingParams
 from glmserve.core.grammar_spec import GrammarSpec
 from glmserve.engine.engine import Engine
 from glmserve.kv.transfer import nixl_unavailable_reason
-from glmserve.model.greedy import greedy_generate
-from glmserve.model.loader import load_model
 from glmserve.proto_gen.glmserve.decode.v1 import decode_pb2_grpc as decode_grpc
 from glmserve.text.tokenizer import Tokenizer
 
@@ -40,17 +46,7 @@ GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
 
 @pytest.fixture(scope="module")
 def oracle():
-    """Plain greedy decoding in this process, the reference every output must equal."""
-    model = load_model(MODEL_DIR)
-    cache: dict[tuple[int, ...], list[int]] = {}
-
-    def run(prompt: list[int]) -> list[int]:
-        if tuple(prompt) not in cache:
-            cache[tuple(prompt)] = greedy_generate(model, prompt, MAX_TOKENS, stop_ids=model.config.eos_token_ids)
-        return cache[tuple(prompt)]
-
-    run.model = model  # for the logprobs reference
-    return run
+    return greedy_oracle(MAX_TOKENS)
 
 
 @pytest.fixture(scope="module", params=TRANSFERS)

@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -182,3 +182,21 @@ async def generate(stub: decode_grpc.DecodeStub, request: decode_pb.GenerateRequ
         if not out.cancelled:
             raise
     return out
+
+
+def greedy_oracle(max_tokens: int) -> Callable[[list[int]], list[int]]:
+    """Plain greedy decoding of the model in this process (cached per prompt): the reference every
+    served output must equal. ``.model`` is the loaded model (for logprob references)."""
+    from glmserve.model.greedy import greedy_generate
+    from glmserve.model.loader import load_model
+
+    model = load_model(MODEL_DIR)
+    cache: dict[tuple[int, ...], list[int]] = {}
+
+    def run(prompt: list[int]) -> list[int]:
+        if tuple(prompt) not in cache:
+            cache[tuple(prompt)] = greedy_generate(model, prompt, max_tokens, stop_ids=model.config.eos_token_ids)
+        return cache[tuple(prompt)]
+
+    run.model = model  # type: ignore[attr-defined]
+    return run

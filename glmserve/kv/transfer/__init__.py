@@ -9,6 +9,7 @@ import logging
 from typing import Any
 
 from glmserve.kv.transfer.base import (
+    BlockWindow,
     KVTransferBackend,
     TransferDrainError,
     TransferError,
@@ -21,6 +22,7 @@ from glmserve.kv.transfer.stamp import (
     ChecksumMismatchError,
     StaleTransferError,
     StampError,
+    StampPart,
     TransferStamp,
     block_checksum,
     verify_stamp,
@@ -32,10 +34,12 @@ BACKEND_KINDS = ("auto", "nixl", "tcp")
 
 __all__ = [
     "BACKEND_KINDS",
+    "BlockWindow",
     "ChecksumMismatchError",
     "KVTransferBackend",
     "StaleTransferError",
     "StampError",
+    "StampPart",
     "TransferDrainError",
     "TransferError",
     "TransferHandle",

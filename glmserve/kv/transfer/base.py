@@ -15,11 +15,15 @@ Receiver (decode)
   with ``stamp.verify_stamp`` (request id, current generation, checksum).
 
 Writer (prefill)
-  ``connect(target_info) -> peer``: once per receiver; cached, so calling it again is cheap.
+  ``connect(target_info, window=None) -> peer``: once per receiver and window; cached, so calling
+  it again is cheap. Without a window both sides' rows have the same size and a write copies whole
+  rows; a `BlockWindow` copies bytes ``[src_offset, +length)`` of each source row into
+  ``[dst_offset, +length)`` of its destination row (a LayerSplit stage's slice of a whole-model
+  block, either way round).
   ``write(peer, stamp, src_block_ids, dst_block_ids) -> TransferHandle``: starts copying source
   row ``src_block_ids[i]`` into destination row ``dst_block_ids[i]``; returns at once (the copy runs
   on a background thread, never on the caller's event loop). For a receiver-side byte check, pass
-  ``stamp.with_checksum(source_buffer, src_block_ids)``.
+  ``stamp.with_checksum(source_buffer, src_block_ids)`` (with the window's source bytes).
   ``poll(handle) -> "pending" | "done" | "failed"``: "done" means every byte landed remotely and the
   completion was sent; "failed" is final (peer death, timeout, error, cancel: see ``handle.error``).
   ``cancel(handle, timeout)``: returns only once the writer can guarantee that no more bytes of this
@@ -40,6 +44,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 import torch
@@ -52,6 +57,41 @@ TransferState = Literal["pending", "done", "failed"]
 
 class TransferError(GlmServeError):
     """A KV transfer could not be set up or carried out."""
+
+
+@dataclass(frozen=True)
+class BlockWindow:
+    """The bytes of each block a write moves (see the module docstring); None: whole rows."""
+
+    src_offset: int
+    dst_offset: int
+    length: int
+
+    def __post_init__(self) -> None:
+        if min(self.src_offset, self.dst_offset) < 0 or self.length < 1:
+            raise ValueError(f"window: offsets must be >= 0 and length >= 1, got {self}")
+
+    @staticmethod
+    def resolve(window: BlockWindow | None, local_block_bytes: int, remote_block_bytes: int) -> BlockWindow:
+        """The window a connection uses; raises ValueError when it does not fit both rows."""
+        if window is None:
+            if local_block_bytes != remote_block_bytes:
+                raise ValueError(f"target_info: block size {remote_block_bytes} B != local "
+                                 f"{local_block_bytes} B (a window says which bytes to move)")
+            return BlockWindow(0, 0, local_block_bytes)
+        if window.src_offset + window.length > local_block_bytes:
+            raise ValueError(f"window: source bytes {window.src_offset}+{window.length} exceed the local "
+                             f"block of {local_block_bytes} B")
+        if window.dst_offset + window.length > remote_block_bytes:
+            raise ValueError(f"window: destination bytes {window.dst_offset}+{window.length} exceed the "
+                             f"receiver's block of {remote_block_bytes} B")
+        return window
+
+    def tag(self, whole_row_bytes: int) -> str:
+        """Suffix of a peer id: empty for whole rows, so such peers keep their plain names."""
+        if self.src_offset == self.dst_offset == 0 and self.length == whole_row_bytes:
+            return ""
+        return f"#{self.src_offset}:{self.dst_offset}:{self.length}"
 
 
 class TransferDrainError(TransferError):
@@ -126,7 +166,7 @@ class KVTransferBackend(ABC):
     def completions(self) -> list[TransferStamp]: ...
 
     @abstractmethod
-    def connect(self, target_info: bytes) -> str: ...
+    def connect(self, target_info: bytes, window: BlockWindow | None = None) -> str: ...
 
     @abstractmethod
     def write(

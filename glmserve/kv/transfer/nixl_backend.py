@@ -4,7 +4,8 @@ Setup: each process makes one NIXL agent with the UCX backend and registers its 
 The receiver's ``target_info`` carries its agent metadata and the buffer's address, block count,
 block size, memory type and device. ``connect`` loads it (``add_remote_agent``) and prepares the
 peer's descriptor list, one descriptor per block plus one 64-byte fence descriptor; the local list
-(our rows plus a 64-byte scratch) is prepared once at ``register``. A write is
+(our rows plus a 64-byte scratch) is prepared once at ``register``. A `BlockWindow` makes both lists
+describe only the window's bytes of each row (a peer per receiver and window; one remote agent). A write is
 ``make_prepped_xfer`` by block index, in chunks of about ``chunk_bytes``; the last chunk carries the
 encoded stamp as NIXL's notification, which the receiver reads in ``completions``.
 
@@ -49,6 +50,7 @@ import numpy as np
 import torch
 
 from glmserve.kv.transfer.base import (
+    BlockWindow,
     KVTransferBackend,
     TransferError,
     TransferHandle,
@@ -92,15 +94,18 @@ def _ucx_net_devices(devices: list[str] | None) -> Iterator[None]:
 @dataclass
 class _Peer:
     agent: str
-    remote: Any  # prepared remote descriptor list: blocks 0..num_blocks-1, then the fence
+    remote: Any  # prepared remote descriptor list: blocks 0..num_blocks-1 (their window), then the fence
     num_blocks: int
+    local: Any  # prepared local descriptor list for the window: our rows, then the scratch
+    window_bytes: int  # bytes moved per block
 
 
-def _descs(addr: int, num_blocks: int, block_bytes: int, device: int, fence: tuple[int, int]) -> np.ndarray:
-    """Nx3 (address, length, device) rows: one per block, then one for the fence."""
+def _descs(addr: int, num_blocks: int, stride: int, length: int, device: int, fence: tuple[int, int]) -> np.ndarray:
+    """Nx3 (address, length, device) rows: one per block (``length`` bytes every ``stride``), then
+    one for the fence."""
     rows = np.empty((num_blocks + 1, 3), dtype=np.uint64)
-    rows[:-1, 0] = addr + np.arange(num_blocks, dtype=np.uint64) * np.uint64(block_bytes)
-    rows[:-1, 1] = block_bytes
+    rows[:-1, 0] = addr + np.arange(num_blocks, dtype=np.uint64) * np.uint64(stride)
+    rows[:-1, 1] = length
     rows[-1, 0], rows[-1, 1] = fence
     rows[:, 2] = device
     return rows
@@ -159,8 +164,10 @@ class NixlTransferBackend(KVTransferBackend):
         self._scratch: torch.Tensor | None = None
         self._regs: list[Any] = []
         self._local: Any = None
+        self._windows: dict[tuple[int, int], Any] = {}
         self._num_blocks = self._block_bytes = 0
         self._peers: dict[str, _Peer] = {}
+        self._agents: set[str] = set()  # remote agents loaded (one per receiver, whatever the windows)
         self._threads: dict[TransferHandle, threading.Thread] = {}
         self._closed = False
         self._progress_interval_s = progress_interval_s
@@ -181,8 +188,9 @@ class NixlTransferBackend(KVTransferBackend):
             self._agent.register_memory([(addr, size, device, "")], mem),
             self._agent.register_memory([(scratch.data_ptr(), FENCE_BYTES, device, "")], mem),
         ]
-        rows = _descs(addr, num_blocks, block_bytes, device, (scratch.data_ptr(), FENCE_BYTES))
+        rows = _descs(addr, num_blocks, block_bytes, block_bytes, device, (scratch.data_ptr(), FENCE_BYTES))
         self._local = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", rows, mem)
+        self._windows = {(0, block_bytes): self._local}  # local descriptor lists by (offset, length)
         self._buffer, self._scratch = buffer, scratch
         self._num_blocks, self._block_bytes, self._mem, self._device = num_blocks, block_bytes, mem, device
 
@@ -205,12 +213,15 @@ class NixlTransferBackend(KVTransferBackend):
             return
         for peer in self._peers.values():
             self._quietly(peer.remote.release)
-            self._quietly(lambda p=peer: self._agent.remove_remote_agent(p.agent))
-        if self._local is not None:
-            self._quietly(self._local.release)
+        for agent in self._agents:
+            self._quietly(lambda a=agent: self._agent.remove_remote_agent(a))
+        for local in self._windows.values():
+            self._quietly(local.release)
         for reg in self._regs:
             self._quietly(lambda r=reg: self._agent.deregister_memory(r))
         self._peers.clear()
+        self._agents.clear()
+        self._windows.clear()
         self._regs = []
 
     # -- receiver ----------------------------------------------------------------------------------
@@ -264,32 +275,38 @@ class NixlTransferBackend(KVTransferBackend):
 
     # -- writer ------------------------------------------------------------------------------------
 
-    def connect(self, target_info: bytes) -> str:
+    def connect(self, target_info: bytes, window: BlockWindow | None = None) -> str:
         info = decode_info(self.kind, target_info)
         if self._buffer is None:
             raise TransferError("connect: register the source buffer first")
-        if info["block_bytes"] != self._block_bytes:
-            raise ValueError(
-                f"target_info: block size {info['block_bytes']} B != local {self._block_bytes} B"
-            )
+        window = BlockWindow.resolve(window, self._block_bytes, info["block_bytes"])
+        peer = info["agent"] + window.tag(self._block_bytes)
         with self._lock:
             if self._closed:
                 raise TransferError("connect: backend is closed")
-            if info["agent"] in self._peers:
-                return info["agent"]
-            agent = self._agent.add_remote_agent(base64.b64decode(info["metadata"]))
-            agent = agent.decode() if isinstance(agent, bytes) else agent  # 1.5.1 returns bytes
-            self._agent.make_connection(agent)  # fail here, not on the first write
-            rows = _descs(
-                info["addr"],
-                info["num_blocks"],
-                self._block_bytes,
-                info["device"],
-                (info["addr"], FENCE_BYTES),
-            )
+            if peer in self._peers:
+                return peer
+            agent = info["agent"]
+            if agent not in self._agents:
+                loaded = self._agent.add_remote_agent(base64.b64decode(info["metadata"]))
+                agent = loaded.decode() if isinstance(loaded, bytes) else loaded  # 1.5.1 returns bytes
+                self._agent.make_connection(agent)  # fail here, not on the first write
+                self._agents.add(agent)
+            rows = _descs(info["addr"] + window.dst_offset, info["num_blocks"], info["block_bytes"],
+                          window.length, info["device"], (info["addr"], FENCE_BYTES))
             remote = self._agent.prep_xfer_dlist(agent, rows, info["mem"])
-            self._peers[agent] = _Peer(agent, remote, info["num_blocks"])
-            return agent
+            self._peers[peer] = _Peer(agent, remote, info["num_blocks"], self._local_window(window), window.length)
+            return peer
+
+    def _local_window(self, window: BlockWindow) -> Any:
+        """Our rows' descriptor list for the window's source bytes (prepared once per window)."""
+        key = (window.src_offset, window.length)
+        if key not in self._windows:
+            assert self._buffer is not None and self._scratch is not None
+            rows = _descs(self._buffer.data_ptr() + window.src_offset, self._num_blocks, self._block_bytes,
+                          window.length, self._device, (self._scratch.data_ptr(), FENCE_BYTES))
+            self._windows[key] = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", rows, self._mem)
+        return self._windows[key]
 
     def write(
         self, peer: str, stamp: TransferStamp, src_block_ids: Sequence[int], dst_block_ids: Sequence[int]
@@ -298,7 +315,7 @@ class NixlTransferBackend(KVTransferBackend):
         if target is None:
             raise ValueError(f"peer: {peer!r} is not connected")
         src, dst = check_block_ids(src_block_ids, dst_block_ids, self._num_blocks, target.num_blocks)
-        handle = TransferHandle(stamp, peer, len(src), len(src) * self._block_bytes)
+        handle = TransferHandle(stamp, peer, len(src), len(src) * target.window_bytes)
         thread = threading.Thread(target=self._run, args=(handle, target, src, dst), daemon=True)
         with self._lock:
             if self._closed:
@@ -309,7 +326,7 @@ class NixlTransferBackend(KVTransferBackend):
 
     def _run(self, handle: TransferHandle, peer: _Peer, src: list[int], dst: list[int]) -> None:
         """The write's thread: chunk after chunk, each DONE (flushed) before the next is posted."""
-        per_chunk = max(1, self._chunk_bytes // self._block_bytes)
+        per_chunk = max(1, self._chunk_bytes // peer.window_bytes)
         deadline = handle.started + self._timeout_s
         try:
             for start in range(0, len(src), per_chunk):
@@ -324,7 +341,7 @@ class NixlTransferBackend(KVTransferBackend):
                     handle.cancelled = why.startswith("cancelled")
                     handle.finish("failed", why, drained=self._fence(peer))
                     return
-                handle.bytes_done += (end - start) * self._block_bytes
+                handle.bytes_done += (end - start) * peer.window_bytes
             handle.finish("done")
         except Exception as e:  # nixl raises from post/check, e.g. nixlRemoteDisconnectError
             handle.finish("failed", f"{type(e).__name__}: {e}", drained=self._fence(peer))
@@ -342,7 +359,7 @@ class NixlTransferBackend(KVTransferBackend):
         deadline: float,
     ) -> str | None:
         """Post one chunk and wait for it: None when DONE, else why it stopped."""
-        xfer = self._agent.make_prepped_xfer("WRITE", self._local, src, peer.remote, dst, notif)
+        xfer = self._agent.make_prepped_xfer("WRITE", peer.local, src, peer.remote, dst, notif)
         try:
             state = self._agent.transfer(xfer)
             while state == "PROC":
@@ -361,7 +378,7 @@ class NixlTransferBackend(KVTransferBackend):
         deadline = time.monotonic() + self._drain_timeout_s
         try:
             xfer = self._agent.make_prepped_xfer(
-                "READ", self._local, [self._num_blocks], peer.remote, [peer.num_blocks]
+                "READ", peer.local, [self._num_blocks], peer.remote, [peer.num_blocks]
             )
             try:
                 state = self._agent.transfer(xfer)

@@ -33,6 +33,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from glmserve.kv.transfer.base import (
+    BlockWindow,
     KVTransferBackend,
     TransferError,
     TransferHandle,
@@ -135,7 +136,8 @@ class TcpTransferBackend(KVTransferBackend):
         self._listener: socket.socket | None = None
         self._accepted: list[socket.socket] = []
         self._completed: queue.SimpleQueue[TransferStamp] = queue.SimpleQueue()
-        self._conns: dict[str, _Connection] = {}
+        self._conns: dict[str, _Connection] = {}  # by receiver address
+        self._peers: dict[str, tuple[str, BlockWindow]] = {}  # peer id -> (address, window)
         self._closed = False
 
     # -- both sides --------------------------------------------------------------------------------
@@ -247,46 +249,47 @@ class TcpTransferBackend(KVTransferBackend):
 
     # -- writer ------------------------------------------------------------------------------------
 
-    def connect(self, target_info: bytes) -> str:
+    def connect(self, target_info: bytes, window: BlockWindow | None = None) -> str:
         info = decode_info(self.kind, target_info)
         if self._buffer is None:
             raise TransferError("connect: register the source buffer first")
-        if info["block_bytes"] != self._block_bytes:
-            raise ValueError(
-                f"target_info: block size {info['block_bytes']} B != local {self._block_bytes} B"
-            )
-        peer = f"{info['host']}:{info['port']}"
+        window = BlockWindow.resolve(window, self._block_bytes, info["block_bytes"])
+        address = f"{info['host']}:{info['port']}"
+        peer = address + window.tag(self._block_bytes)
         with self._lock:
             if self._closed:
                 raise TransferError("connect: backend is closed")
-            conn = self._conns.get(peer)
+            self._peers[peer] = (address, window)
+            conn = self._conns.get(address)
             if conn is not None and conn.alive:
                 return peer
             sock = socket.create_connection((info["host"], info["port"]), timeout=self._timeout_s)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn = _Connection(sock, peer, info["num_blocks"])
-            self._conns[peer] = conn
+            conn = _Connection(sock, address, info["num_blocks"])
+            self._conns[address] = conn
         threading.Thread(target=self._read_replies, args=(conn,), daemon=True).start()
         return peer
 
     def write(
         self, peer: str, stamp: TransferStamp, src_block_ids: Sequence[int], dst_block_ids: Sequence[int]
     ) -> TransferHandle:
-        conn = self._conns.get(peer)
-        if conn is None:
+        address, window = self._peers.get(peer, (peer, None))
+        conn = self._conns.get(address) if window is not None else None
+        if conn is None or window is None:
             raise ValueError(f"peer: {peer!r} is not connected")
         src, dst = check_block_ids(src_block_ids, dst_block_ids, self._num_blocks, conn.num_blocks)
-        handle = TransferHandle(stamp, peer, len(src), len(src) * self._block_bytes)
+        handle = TransferHandle(stamp, peer, len(src), len(src) * window.length)
         if self._closed or not conn.alive:
             handle.finish("failed", "peer disconnected" if not self._closed else "backend closed")
             return handle  # nothing was sent: failed and drained
         write_id = next(conn.ids)
         conn.pending[write_id] = handle
-        threading.Thread(target=self._run, args=(conn, write_id, handle, src, dst), daemon=True).start()
+        threading.Thread(target=self._run, args=(conn, write_id, handle, src, dst, window), daemon=True).start()
         return handle
 
     def _run(
-        self, conn: _Connection, write_id: int, handle: TransferHandle, src: list[int], dst: list[int]
+        self, conn: _Connection, write_id: int, handle: TransferHandle, src: list[int], dst: list[int],
+        window: BlockWindow,
     ) -> None:
         """The write's thread: frames out; the reply reader finishes the handle."""
         assert self._flat is not None
@@ -294,15 +297,15 @@ class TcpTransferBackend(KVTransferBackend):
         try:
             conn.send(BEGIN, write_id, len(src), handle.num_bytes, handle.stamp.encode())
             for s, d in zip(src, dst, strict=True):
-                for offset in range(0, self._block_bytes, self._chunk_bytes):
+                for offset in range(0, window.length, self._chunk_bytes):
                     if handle.cancel_requested.is_set() or time.monotonic() > deadline:
                         handle.cancelled = handle.cancel_requested.is_set()
                         conn.send(ABORT, write_id)
                         self._await_reply(handle, self._drain_timeout_s)
                         return
-                    length = min(self._chunk_bytes, self._block_bytes - offset)
-                    start = s * self._block_bytes + offset
-                    conn.send(DATA, write_id, d, offset, self._flat[start : start + length])
+                    length = min(self._chunk_bytes, window.length - offset)
+                    start = s * self._block_bytes + window.src_offset + offset
+                    conn.send(DATA, write_id, d, window.dst_offset + offset, self._flat[start : start + length])
                     handle.bytes_done += length  # sent; landed only once DONE comes back
             conn.send(END, write_id)
             self._await_reply(handle, max(0.0, deadline - time.monotonic()))

@@ -151,10 +151,10 @@ class DecodeFlow:
             ctx.release_now(self.key)  # the writer saw the write done: nothing more lands
             raise self._abort_ended() or _Ended("error", "the KV transfer's completion did not arrive "
                                                        f"within {s.arrival_timeout_s}s")
-        stamp, params, prompt = arrival.result(), self._params, self._prompt
+        stamps, params, prompt = arrival.result(), self._params, self._prompt
         self._stream = ctx.engine.open(self.key)  # before the request is in the engine
         try:
-            first = await ctx.engine.submit(lambda e: _admit(e, self, prompt, params, dest, stamp, answer,
+            first = await ctx.engine.submit(lambda e: _admit(e, self, prompt, params, dest, stamps, answer,
                                                              s.checksum))
         except (StampError, ValueError) as e:  # _admit released the blocks
             ctx.transfer_failed("stamp")
@@ -162,7 +162,7 @@ class DecodeFlow:
         self.num_cached = answer.output.num_cached_tokens
         return first
 
-    async def _await_arrival(self, arrival: asyncio.Future[TransferStamp]) -> None:
+    async def _await_arrival(self, arrival: asyncio.Future[tuple[TransferStamp, ...]]) -> None:
         """Poll for the completion until it arrived, the flow is aborted or the wait timed out."""
         ctx, loop = self._ctx, asyncio.get_running_loop()
         deadline = loop.time() + ctx.settings.arrival_timeout_s
@@ -215,22 +215,36 @@ class DecodeFlow:
 
 
 def _admit(engine: Engine, flow: DecodeFlow, prompt: list[int], params: SamplingParams, dest: list[int],
-           stamp: TransferStamp, answer: PrefillAnswer, checksum: bool) -> TokenEvent:
+           stamps: tuple[TransferStamp, ...], answer: PrefillAnswer, checksum: bool) -> TokenEvent:
     """On the engine thread: verify the transfer, then join the request to the batch. Frees the
     reserved blocks and raises when the transfer must not be used."""
     key = flow.key
     try:
-        replied = TransferStamp.decode(answer.stamp)
-        if replied != stamp:
-            raise StaleTransferError(f"the prefill answer's stamp {replied} is not the completion's {stamp}")
-        if checksum and stamp.checksum is None:
-            raise StampError("a checksum was asked for but the transfer carries none")
-        verify_stamp(stamp, request_id=flow.request_id, generation=flow.generation,
-                     buffer=engine.kv_buffer, block_ids=dest)
+        _verify_transfer(engine, flow, dest, stamps, answer, checksum)
         return engine.add_prefilled(key, prompt, params, answer.output, cache_salt=flow.cache_salt)
     except (StampError, ValueError):
         engine.release(key)
         raise
+
+
+def _verify_transfer(engine: Engine, flow: DecodeFlow, dest: list[int], stamps: tuple[TransferStamp, ...],
+                     answer: PrefillAnswer, checksum: bool) -> None:
+    """The answer names the transfer that arrived: one write (its stamp), or one part per chunk of
+    each of ``num_stages`` stages (a LayerSplit replica); each stamp verifies on its own blocks."""
+    replied = TransferStamp.decode(answer.stamp)
+    parts = [st.part for st in stamps if st.part is not None]
+    if not parts and replied != stamps[0]:
+        raise StaleTransferError(f"the prefill answer's stamp {replied} is not the completion's {stamps[0]}")
+    if parts and ((replied.request_id, replied.generation) != (flow.request_id, flow.generation)
+                  or parts[0].stages != answer.num_stages):
+        raise StaleTransferError(f"the prefill answer {replied} ({answer.num_stages} stages) does not name the "
+                                 f"{parts[0].stages}-stage transfer that arrived")
+    for st in stamps:
+        if checksum and st.checksum is None:
+            raise StampError("a checksum was asked for but the transfer carries none")
+        blocks = dest if st.part is None else dest[st.part.first_block : st.part.first_block + st.part.num_blocks]
+        verify_stamp(st, request_id=flow.request_id, generation=flow.generation, buffer=engine.kv_buffer,
+                     block_ids=blocks)
 
 
 async def _first(future: asyncio.Future[Any], event: asyncio.Event, timeout_s: float) -> None:

@@ -49,6 +49,7 @@ class PrefillCall:
 class PrefillAnswer:
     output: PrefillOutput  # the first token and the MTP seed
     stamp: bytes  # TransferStamp.encode() of the completed transfer
+    num_stages: int = 1  # LayerSplit: the stages that each wrote their slice, in parts
 
 
 class PrefillCallError(GlmServeError):
@@ -129,7 +130,7 @@ class GrpcPrefillClient:
         except grpc.aio.AioRpcError as e:
             code = _CODES.get(e.code(), "error")
             raise PrefillCallError(code, f"{target}: {e.code().name}: {e.details()}") from None
-        return PrefillAnswer(*reply_from_proto(reply))
+        return PrefillAnswer(*reply_from_proto(reply), num_stages=max(1, reply.num_stages))
 
     async def abort(self, target: str, request_id: str, generation: int, reason: str,
                     timeout_s: float) -> AbortAnswer:

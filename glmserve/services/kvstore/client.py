@@ -183,17 +183,23 @@ class AsyncKVStoreClient:
 
     # -- host tier (see proto/glmserve/kvstore/v1/kvstore.proto) -----------------------------------
 
-    async def host_attach(self, worker: str, transfer_kind: str, block_bytes: int,
-                          target_info: bytes) -> HostAttachment:
+    async def host_attach(self, worker: str, transfer_kind: str, block_bytes: int, target_info: bytes,
+                          row_offset: int = 0, row_bytes: int = 0) -> HostAttachment:
+        """``row_offset``/``row_bytes``: a LayerSplit stage's slice of the whole-model host blocks."""
         r = await self._call("HostAttach", pb.HostAttachRequest(
-            worker_id=worker, transfer_kind=transfer_kind, block_bytes=block_bytes, target_info=target_info))
+            worker_id=worker, transfer_kind=transfer_kind, block_bytes=block_bytes, target_info=target_info,
+            row_offset=row_offset, row_bytes=row_bytes))
         return HostAttachment(r.target_info, r.num_blocks, r.holder_id, r.instance_id)
 
     async def host_lookup(self, hashes: Sequence[bytes]) -> int:
         return (await self._call("HostLookup", pb.LookupRequest(block_hashes=list(hashes)))).num_blocks
 
-    async def host_begin_write(self, worker: str, hashes: Sequence[bytes]) -> HostWriteGrant:
-        r = await self._call("HostBeginWrite", pb.HostBeginWriteRequest(worker_id=worker, block_hashes=list(hashes)))
+    async def host_begin_write(self, worker: str, hashes: Sequence[bytes],
+                               part: tuple[int, int] | None = None) -> HostWriteGrant:
+        """``part``: (stage, stages) of a LayerSplit stage writing its slices."""
+        stage, stages = part or (0, 0)
+        r = await self._call("HostBeginWrite", pb.HostBeginWriteRequest(
+            worker_id=worker, block_hashes=list(hashes), part_stage=stage, part_stages=stages))
         return HostWriteGrant(r.lease_id, list(r.block_hashes), list(r.host_block_ids))
 
     async def host_end_write(self, lease_id: int, committed: bool) -> int:

@@ -7,7 +7,10 @@ from here into the worker's registered cache (the kvstore is the writer). gRPC o
 control messages (`servicer`).
 
 The buffer is sized at the first ``attach``: ``capacity_bytes // block_bytes`` rows of the worker's
-block size; later workers must have the same block size and transfer kind. Blocks stored or evicted
+block size; later workers must have the same block size and transfer kind. Rows are whole-model
+blocks: a LayerSplit stage attaches with its slice of them (``row_offset``, ``row_bytes``), writes
+its slice of each block (a write lease in parts: the block is stored once every stage's slice
+landed) and loads back only its slice. Blocks stored or evicted
 here are published to the block index under ``holder_id`` with tier HOST (best effort: an index
 that is down does not stop the tier).
 
@@ -30,7 +33,13 @@ import torch
 from glmserve.core.errors import GlmServeError
 from glmserve.kv.block_index import BlockIndex, IndexUnavailable, Tier
 from glmserve.kv.host_pool import HostBlockPool, WriteLease, write_stamp
-from glmserve.kv.transfer import KVTransferBackend, TransferDrainError, TransferHandle, TransferStamp
+from glmserve.kv.transfer import (
+    BlockWindow,
+    KVTransferBackend,
+    TransferDrainError,
+    TransferHandle,
+    TransferStamp,
+)
 from glmserve.kv.transfer.timeouts import AGREED
 
 log = logging.getLogger(__name__)
@@ -90,8 +99,8 @@ class HostTier:
         self._buffer: torch.Tensor | None = None
         self._block_bytes = 0
         self._expired = 0
-        self._targets: dict[str, bytes] = {}
-        self._peers: dict[bytes, str] = {}
+        self._targets: dict[str, tuple[bytes, BlockWindow | None]] = {}  # where, and which bytes, loads go
+        self._peers: dict[tuple[bytes, BlockWindow | None], str] = {}
         self._loads: dict[tuple[str, int], _Load] = {}
         self._index_epoch: str | None = None  # the index epoch our blocks were last published to
         self._index_dirty = False  # an event of ours was dropped
@@ -99,28 +108,34 @@ class HostTier:
 
     # -- setup --------------------------------------------------------------------------------------
 
-    def attach(self, worker_id: str, transfer_kind: str, block_bytes: int, target_info: bytes) -> tuple[bytes, int]:
-        """Register a worker; sizes the buffer on the first call. Returns (our target, num blocks)."""
+    def attach(self, worker_id: str, transfer_kind: str, block_bytes: int, target_info: bytes, *,
+               row_offset: int = 0, row_bytes: int = 0) -> tuple[bytes, int]:
+        """Register a worker; sizes the buffer on the first call. Returns (our target, num blocks).
+        ``row_offset``/``row_bytes`` (0: whole blocks): a stage whose blocks are that slice of rows."""
         if not worker_id:
             raise ValueError("worker_id: must not be empty")
         if transfer_kind != self.backend.kind:
             raise HostTierUnavailable(f"transfer_kind: host tier uses {self.backend.kind!r}, worker {transfer_kind!r}")
         if block_bytes <= 0:
             raise ValueError(f"block_bytes: must be > 0, got {block_bytes}")
+        row_bytes = row_bytes or block_bytes
+        if row_offset + block_bytes > row_bytes:
+            raise ValueError(f"row_offset: {row_offset} + {block_bytes} B exceeds blocks of {row_bytes} B")
         with self._lock:
             if self._pool is None:
-                num_blocks = self.capacity_bytes // block_bytes
+                num_blocks = self.capacity_bytes // row_bytes
                 if num_blocks < 1:
-                    raise HostTierUnavailable(f"block_bytes: {block_bytes} B exceeds the host tier capacity")
-                self._buffer = torch.zeros(num_blocks, block_bytes, dtype=torch.uint8)
+                    raise HostTierUnavailable(f"block_bytes: {row_bytes} B exceeds the host tier capacity")
+                self._buffer = torch.zeros(num_blocks, row_bytes, dtype=torch.uint8)
                 self.backend.register(self._buffer)
                 self._pool = HostBlockPool(num_blocks, self._lease_timeout_s)
-                self._block_bytes = block_bytes
-                log.info("host tier: %d blocks of %d B (%.1f MiB), %s transfer", num_blocks, block_bytes,
-                         num_blocks * block_bytes / 2**20, self.backend.kind)
-            elif block_bytes != self._block_bytes:
-                raise HostTierUnavailable(f"block_bytes: host tier blocks are {self._block_bytes} B, got {block_bytes}")
-            self._targets[worker_id] = bytes(target_info)
+                self._block_bytes = row_bytes
+                log.info("host tier: %d blocks of %d B (%.1f MiB), %s transfer", num_blocks, row_bytes,
+                         num_blocks * row_bytes / 2**20, self.backend.kind)
+            elif row_bytes != self._block_bytes:
+                raise HostTierUnavailable(f"block_bytes: host tier blocks are {self._block_bytes} B, got {row_bytes}")
+            sliced = row_bytes != block_bytes
+            self._targets[worker_id] = (bytes(target_info), BlockWindow(row_offset, 0, block_bytes) if sliced else None)
             return self.backend.target_info(), self._pool.num_blocks
 
     def _ready_pool(self) -> HostBlockPool:
@@ -134,10 +149,11 @@ class HostTier:
         with self._lock:
             return 0 if self._pool is None else self._pool.match(hashes)
 
-    def begin_write(self, hashes: Sequence[bytes]) -> WriteLease:
+    def begin_write(self, hashes: Sequence[bytes], part: tuple[int, int] | None = None) -> WriteLease:
+        """``part``: (stage, stages) of a LayerSplit stage writing its slices (`HostBlockPool`)."""
         with self._lock:
             self._expire_locked()
-            lease = self._ready_pool().begin_write(hashes, self._clock())
+            lease = self._ready_pool().begin_write(hashes, self._clock(), part)
             self._checked()
         self._publish("removed", lease.evicted)
         return lease
@@ -197,7 +213,7 @@ class HostTier:
                 return LoadResult(0, True)
             if self._fault_load_delay_s and request_id.startswith(FAULT_DELAY_PREFIX):
                 load.cancelled.wait(self._fault_load_delay_s)  # test-only: a slow load to cancel
-            peer = self._connect(target)
+            peer = self._connect(*target)
             dest = list(dest_block_ids[: len(lease.block_ids)])
             with self._lock:  # a cancel either sees the handle or is seen here: never neither
                 if load.cancelled.is_set():
@@ -215,10 +231,10 @@ class HostTier:
                     self._pool.end_read(lease.lease_id)
                 self._checked()
 
-    def _connect(self, target: bytes) -> str:
-        peer = self._peers.get(target)
+    def _connect(self, target: bytes, window: BlockWindow | None) -> str:
+        peer = self._peers.get((target, window))
         if peer is None:
-            peer = self._peers[target] = self.backend.connect(target)
+            peer = self._peers[(target, window)] = self.backend.connect(target, window)
         return peer
 
     def cancel_load(self, request_id: str, generation: int) -> tuple[bool, bool]:

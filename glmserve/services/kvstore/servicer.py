@@ -112,7 +112,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     def HostAttach(self, request: pb.HostAttachRequest, context: grpc.ServicerContext) -> pb.HostAttachResponse:
         host = self._host_tier()
         target, num_blocks = host.attach(request.worker_id, request.transfer_kind, request.block_bytes,
-                                         request.target_info)
+                                         request.target_info, row_offset=request.row_offset,
+                                         row_bytes=request.row_bytes)
         return pb.HostAttachResponse(target_info=target, num_blocks=num_blocks, holder_id=host.holder_id,
                                      instance_id=self.instance_id)
 
@@ -123,7 +124,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     @_rpc
     def HostBeginWrite(self, request: pb.HostBeginWriteRequest,
                        context: grpc.ServicerContext) -> pb.HostWriteLease:
-        lease = self._host_tier().begin_write(list(request.block_hashes))
+        part = (request.part_stage, request.part_stages) if request.part_stages else None
+        lease = self._host_tier().begin_write(list(request.block_hashes), part)
         if not lease.block_ids:  # nothing to write: no lease to end
             self._host_tier().end_write(lease.lease_id, committed=False)
             return pb.HostWriteLease(lease_id=0)

@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import asyncio
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from glmserve.core.errors import GlmServeError
@@ -45,6 +46,20 @@ class PrefillJob:
 class PrefillResult:
     output: PrefillOutput  # the first token and the MTP seed
     stamp: TransferStamp  # of the completed transfer
+    num_stages: int = 1  # LayerSplit: stages that each wrote their slice (stamps with a StampPart)
+
+
+def check_job(spec: PrefillJob, transfer_kind: str, block_size: int) -> None:
+    """Raises ``ValueError`` naming the field when a job cannot run here."""
+    if not spec.prompt_ids:
+        raise ValueError("prompt_ids: a prompt needs at least one token")
+    if spec.transfer_kind != transfer_kind:
+        raise ValueError(f"transfer_kind: this worker transfers with {transfer_kind!r}, "
+                         f"the decode worker asked for {spec.transfer_kind!r}")
+    need = -(-len(spec.prompt_ids) // block_size)
+    if len(spec.dest_block_ids) != need:
+        raise ValueError(f"dest_block_ids: {len(spec.prompt_ids)} prompt tokens need {need} blocks "
+                         f"of {block_size}, got {len(spec.dest_block_ids)}")
 
 
 @dataclass(frozen=True)
@@ -61,3 +76,16 @@ class WorkerHealth:
     free_blocks: int
     cache_root: bytes = b""  # the engine's prefix-cache root hash (empty: caching off)
     block_size: int = 0
+
+
+async def drain_jobs(running: Callable[[], int], timeout_s: float, settle_s: float = 1.5) -> int:
+    """A draining prefill worker's wait (its Health already says not ready): jobs still come in for
+    ``settle_s`` (a decode worker may have reserved blocks for a prompt routed here just before) and
+    are served. Returns, once none ran after ``settle_s`` or at ``timeout_s``, how many still run."""
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    while loop.time() - started < timeout_s:
+        if not running() and loop.time() - started >= min(settle_s, timeout_s):
+            break
+        await asyncio.sleep(0.05)
+    return running()

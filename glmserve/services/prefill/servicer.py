@@ -14,12 +14,13 @@ from glmserve.proto_gen.glmserve.prefill.v1 import prefill_pb2 as pb
 from glmserve.proto_gen.glmserve.prefill.v1 import prefill_pb2_grpc as pb_grpc
 from glmserve.services.generation_proto import sampling_from_proto
 from glmserve.services.prefill.job import PrefillAborted, PrefillError, PrefillJob
+from glmserve.services.prefill.replica import StagedPrefill
 from glmserve.services.prefill.worker import PrefillWorker
 from glmserve.services.prefill_proto import reply_to_proto
 
 
 class PrefillServicer(pb_grpc.PrefillServicer):
-    def __init__(self, worker: PrefillWorker, worker_id: str) -> None:
+    def __init__(self, worker: PrefillWorker | StagedPrefill, worker_id: str) -> None:
         self._worker = worker
         self._worker_id = worker_id
 
@@ -31,7 +32,7 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         except PrefillError as e:
             aborted = isinstance(e, PrefillAborted) and e.drained
             await context.abort(grpc.StatusCode.ABORTED if aborted else grpc.StatusCode.UNAVAILABLE, str(e))
-        return reply_to_proto(result.output, result.stamp.encode())
+        return reply_to_proto(result.output, result.stamp.encode(), result.num_stages)
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortReply:
         outcome = await self._worker.abort(

@@ -27,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -47,7 +46,10 @@ from glmserve.services.prefill.job import (
     PrefillJob,
     PrefillResult,
     WorkerHealth,
+    check_job,
+    drain_jobs,
 )
+from glmserve.services.prefill.write_control import request_cancel, wait_final
 from glmserve.services.worker_metrics import WorkerMetrics
 
 if TYPE_CHECKING:
@@ -152,16 +154,7 @@ class PrefillWorker:
     def _validate(self, spec: PrefillJob) -> None:
         if self._closing:
             raise PrefillFailed("the prefill worker is shutting down", drained=True)
-        if not spec.prompt_ids:
-            raise ValueError("prompt_ids: a prompt needs at least one token")
-        if spec.transfer_kind != self._transfer.kind:
-            raise ValueError(f"transfer_kind: this worker transfers with {self._transfer.kind!r}, "
-                             f"the decode worker asked for {spec.transfer_kind!r}")
-        block_size = self._engine.snapshot.block_size
-        need = -(-len(spec.prompt_ids) // block_size)
-        if len(spec.dest_block_ids) != need:
-            raise ValueError(f"dest_block_ids: {len(spec.prompt_ids)} prompt tokens need {need} blocks "
-                             f"of {block_size}, got {len(spec.dest_block_ids)}")
+        check_job(spec, self._transfer.kind, self._engine.snapshot.block_size)
 
     async def _run(self, job: _Job) -> PrefillResult:
         spec, drained = job.spec, True
@@ -233,7 +226,7 @@ class PrefillWorker:
             job.handle = handle = self._transfer.write(peer, stamp, src, dst)
         except TransferError as e:  # the write did not start: nothing was sent
             raise PrefillFailed(f"KV transfer could not start: {e}", drained=True) from e
-        await _final(handle)
+        await wait_final(handle)
         m = self.metrics
         if handle.state == "done":
             if m is not None:
@@ -284,7 +277,7 @@ class PrefillWorker:
             if self.metrics is not None:
                 self.metrics.abort(job.stage, label)
             if job.handle is not None:
-                _request_cancel(self._transfer, job.handle)
+                request_cancel(self._transfer, job.handle)
             elif job.stage == "load" and self._host_tier is not None:
                 self._cancel_load_in_background(job)
             elif job.stage == "compute":
@@ -305,18 +298,10 @@ class PrefillWorker:
         task.add_done_callback(self._background.discard)
 
     async def drain(self, timeout_s: float, settle_s: float = 1.5) -> int:
-        """Health says not ready from now on, so routers stop choosing this worker; jobs still
-        come in for ``settle_s`` (a decode worker may have reserved blocks for a prompt routed here
-        just before) and are served. Returns, once no job ran after ``settle_s`` or at
-        ``timeout_s``, how many jobs still run (`close` aborts them)."""
+        """Health says not ready from now on, so routers stop choosing this worker; then
+        `drain_jobs`. Returns how many jobs still run (`close` aborts them)."""
         self._draining = True
-        loop = asyncio.get_running_loop()
-        started = loop.time()
-        while loop.time() - started < timeout_s:
-            if not self._jobs and loop.time() - started >= min(settle_s, timeout_s):
-                break
-            await asyncio.sleep(0.05)
-        return len(self._jobs)
+        return await drain_jobs(lambda: len(self._jobs), timeout_s, settle_s)
 
     async def close(self) -> None:
         """Abort every job (drained or failed), then stop the engine and the transfer backend."""
@@ -332,27 +317,3 @@ def _held_prefill(engine: Engine, final: TokenEvent) -> HeldPrefill | None:
     """On the engine thread, right after the request finished: what it kept."""
     return engine.held_prefill(final.request_id) if final.finish_reason in ("stop", "length") else None
 
-
-def _request_cancel(transfer: KVTransferBackend, handle: TransferHandle) -> None:
-    """Ask the write to stop without blocking the loop; the job sees it end through ``_final``."""
-
-    def cancel() -> None:
-        try:
-            transfer.cancel(handle)
-        except TransferError as e:  # not drained: the handle says so, the job reports it
-            log.warning("cancel of %s: %s", handle, e)
-
-    threading.Thread(target=cancel, name="kv-cancel", daemon=True).start()
-
-
-async def _final(handle: TransferHandle) -> None:
-    """Wait (off the loop) until the write is done or failed; backends always get there."""
-    loop = asyncio.get_running_loop()
-    final: asyncio.Future[None] = loop.create_future()
-
-    def wait() -> None:
-        handle.wait()
-        loop.call_soon_threadsafe(lambda: final.done() or final.set_result(None))
-
-    threading.Thread(target=wait, name="kv-wait", daemon=True).start()
-    await final

@@ -18,10 +18,11 @@ import math
 import struct
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Strict, ValidationError, model_validator
+from pydantic import AfterValidator, Field, Strict, ValidationError, model_validator
 
 from glmserve.core.generation import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY, SamplingParams
 from glmserve.core.grammar_spec import GrammarSpec
+from glmserve.services.router.body_types import Bool, Int, OpenBody, Str
 from glmserve.services.router.errors import (
     APIError,
     context_length_exceeded,
@@ -29,14 +30,11 @@ from glmserve.services.router.errors import (
     invalid_request,
     model_not_found,
 )
+from glmserve.services.router.response_format import ResponseFormat
 
 MAX_COMPLETION_LOGPROBS = 5  # the legacy completions API allows 0..5
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
-Bool = Annotated[bool, Strict()]
-Int = Annotated[int, Strict()]
-Str = Annotated[str, Strict()]
-Number = Annotated[float, Strict(), Field(allow_inf_nan=False)]
 Penalty = Annotated[float, Strict(), Field(ge=-MAX_PENALTY, le=MAX_PENALTY, allow_inf_nan=False)]
 Body = TypeVar("Body", bound="GenerationBody")
 MAX_STOP_STRINGS = 16
@@ -56,12 +54,6 @@ def _as_float32(value: float) -> float:
 
 
 Float32 = Annotated[float, Strict(), Field(allow_inf_nan=False), AfterValidator(_as_float32)]
-
-
-class OpenBody(BaseModel):
-    """Unknown fields are accepted and ignored."""
-
-    model_config = ConfigDict(extra="allow")
 
 
 class StreamOptions(OpenBody):
@@ -126,27 +118,6 @@ class NamedToolChoice(OpenBody):
     function: NamedFunction
 
 
-class JsonSchemaFormat(OpenBody):
-    model_config = ConfigDict(extra="allow", populate_by_name=True)
-    name: Annotated[str, Strict(), Field(min_length=1)]
-    description: Str | None = None
-    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
-    strict: Bool | None = None
-
-
-class ResponseFormat(OpenBody):
-    """``text`` (free), ``json_object`` (any JSON object) or ``json_schema`` (valid for its schema)."""
-
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaFormat | None = None
-
-    @model_validator(mode="after")
-    def _schema_given(self) -> ResponseFormat:
-        if self.type == "json_schema" and self.json_schema is None:
-            raise ValueError("json_schema: required when type is json_schema")
-        return self
-
-
 class GenerationBody(OpenBody):
     """What chat and completions bodies share."""
 
@@ -167,6 +138,7 @@ class GenerationBody(OpenBody):
     repetition_penalty: Annotated[Float32, Field(gt=0)] = 1.0  # vLLM extension
     min_p: Annotated[Float32, Field(ge=0, le=1)] = 0.0  # vLLM extension
     logit_bias: dict[str, Annotated[float, Strict(), Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]] | None = None
+    response_format: ResponseFormat | None = None
     user: Str | None = None
     priority: Annotated[int, Strict(), Field(ge=-(2**31), le=2**31 - 1)] = 0  # vLLM extension: lower first
 
@@ -228,6 +200,16 @@ class GenerationBody(OpenBody):
                 f"has at least {least_tokens} tokens. Please reduce the length of the prompt.",
                 param, "context_length_exceeded")
 
+    def grammar(self) -> GrammarSpec | None:
+        """What the output must match (``response_format``; None: free)."""
+        return self._format_grammar()
+
+    def _format_grammar(self) -> GrammarSpec | None:
+        try:
+            return self.response_format.grammar() if self.response_format is not None else None
+        except ValueError as e:
+            raise from_value_error(e) from e
+
     def check_model(self, served: str) -> None:
         """404 unless the request names the served model."""
         if self.model != served:
@@ -241,7 +223,6 @@ class ChatCompletionRequest(GenerationBody):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: Bool = True
-    response_format: ResponseFormat | None = None
     logprobs: Bool = False
     top_logprobs: Annotated[int, Strict(), Field(ge=0, le=MAX_LOGPROBS)] | None = None
 
@@ -261,15 +242,13 @@ class ChatCompletionRequest(GenerationBody):
 
     def grammar(self) -> GrammarSpec | None:
         """What the output must match: the tool calls ``tool_choice`` forces, or ``response_format``."""
+        tools = self.active_tools()
+        choice = self.tool_choice.model_dump() if isinstance(self.tool_choice, NamedToolChoice) else self.tool_choice
         try:
-            tools = self.active_tools()
-            choice = self.tool_choice.model_dump() if isinstance(self.tool_choice, NamedToolChoice) else self.tool_choice
             forced = GrammarSpec.from_tool_choice(tools, choice, self.parallel_tool_calls) if tools else None
-            if forced is not None or self.response_format is None:
-                return forced
-            return GrammarSpec.from_response_format(self.response_format.model_dump(by_alias=True, exclude_none=True))
         except ValueError as e:
             raise from_value_error(e) from e
+        return forced if forced is not None else self._format_grammar()
 
     @property
     def forces_tool_calls(self) -> bool:

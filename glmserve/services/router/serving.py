@@ -149,7 +149,7 @@ class OpenAIServing:
         ids = await asyncio.to_thread(self.tokenizer.encode, prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise from_value_error(ValueError("prompt: the prompt has no tokens"))
-        params = body.sampling_params(len(ids), self.max_context, "prompt", self.tokenizer.vocab_size)
+        params = body.sampling_params(len(ids), self.max_context, "prompt", self.tokenizer.vocab_size, body.grammar())
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         run = self.run(rid, ids, params, ctx)
         if not await run.open():

@@ -9,7 +9,8 @@ from typing import Annotated, Any
 
 from pydantic import Field, Strict, model_validator
 
-from glmserve.services.router.openai_requests import ChatMessage, Int, OpenBody, Str, Tool
+from glmserve.services.router.body_types import Int, OpenBody, Str
+from glmserve.services.router.openai_requests import ChatMessage, Tool
 
 
 class TokenizeRequest(OpenBody):

@@ -25,17 +25,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!glmserve/kvstore/v1/kvstore.proto\x12\x13glmserve.kvstore.v1\"\x8c\x01\n\nBlockEvent\x12,\n\x04kind\x18\x01 \x01(\x0e\x32\x1e.glmserve.kvstore.v1.EventKind\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\'\n\x04tier\x18\x03 \x01(\x0e\x32\x19.glmserve.kvstore.v1.Tier\x12\x14\n\x0c\x62lock_hashes\x18\x04 \x03(\x0c\"=\n\nEventBatch\x12/\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x1f.glmserve.kvstore.v1.BlockEvent\"\x1d\n\x03\x41\x63k\x12\x16\n\x0e\x65vents_applied\x18\x01 \x01(\r\"%\n\rLookupRequest\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\"L\n\x0bWorkerMatch\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x15\n\rdevice_blocks\x18\x02 \x01(\r\x12\x13\n\x0bhost_blocks\x18\x03 \x01(\r\"C\n\x0eLookupResponse\x12\x31\n\x07matches\x18\x01 \x03(\x0b\x32 .glmserve.kvstore.v1.WorkerMatch\"(\n\x13RemoveWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"/\n\x14RemoveWorkerResponse\x12\x17\n\x0f\x65ntries_removed\x18\x01 \x01(\x04\"\x0f\n\rHealthRequest\"s\n\x0eHealthResponse\x12\x15\n\rindex_backend\x18\x01 \x01(\t\x12\x10\n\x08index_up\x18\x02 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\x12\x13\n\x0binstance_id\x18\x04 \x01(\t\x12\x13\n\x0bindex_epoch\x18\x05 \x01(\t\"g\n\x11HostAttachRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x15\n\rtransfer_kind\x18\x02 \x01(\t\x12\x13\n\x0b\x62lock_bytes\x18\x03 \x01(\x04\x12\x13\n\x0btarget_info\x18\x04 \x01(\x0c\"e\n\x12HostAttachResponse\x12\x13\n\x0btarget_info\x18\x01 \x01(\x0c\x12\x12\n\nnum_blocks\x18\x02 \x01(\x04\x12\x11\n\tholder_id\x18\x03 \x01(\t\x12\x13\n\x0binstance_id\x18\x04 \x01(\t\"(\n\x12HostLookupResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\"@\n\x15HostBeginWriteRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\"P\n\x0eHostWriteLease\x12\x10\n\x08lease_id\x18\x01 \x01(\x04\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\x12\x16\n\x0ehost_block_ids\x18\x03 \x03(\r\":\n\x13HostEndWriteRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\x04\x12\x11\n\tcommitted\x18\x02 \x01(\x08\"&\n\x14HostEndWriteResponse\x12\x0e\n\x06stored\x18\x01 \x01(\r\"z\n\x0fHostLoadRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x12\n\ngeneration\x18\x03 \x01(\x04\x12\x14\n\x0c\x62lock_hashes\x18\x04 \x03(\x0c\x12\x16\n\x0e\x64\x65st_block_ids\x18\x05 \x03(\r\"I\n\x10HostLoadResponse\x12\x15\n\rblocks_loaded\x18\x01 \x01(\r\x12\x0f\n\x07\x64rained\x18\x02 \x01(\x08\x12\r\n\x05\x65rror\x18\x03 \x01(\t\"?\n\x15HostCancelLoadRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\"8\n\x16HostCancelLoadResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x12\x0f\n\x07\x64rained\x18\x02 \x01(\x08*<\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\x0f\n\x0bTIER_DEVICE\x10\x01\x12\r\n\tTIER_HOST\x10\x02*V\n\tEventKind\x12\x1a\n\x16\x45VENT_KIND_UNSPECIFIED\x10\x00\x12\x15\n\x11\x45VENT_KIND_STORED\x10\x01\x12\x16\n\x12\x45VENT_KIND_REMOVED\x10\x02\x32\xa6\x07\n\x07KVStore\x12J\n\rPublishEvents\x12\x1f.glmserve.kvstore.v1.EventBatch\x1a\x18.glmserve.kvstore.v1.Ack\x12Q\n\x06Lookup\x12\".glmserve.kvstore.v1.LookupRequest\x1a#.glmserve.kvstore.v1.LookupResponse\x12\x63\n\x0cRemoveWorker\x12(.glmserve.kvstore.v1.RemoveWorkerRequest\x1a).glmserve.kvstore.v1.RemoveWorkerResponse\x12Q\n\x06Health\x12\".glmserve.kvstore.v1.HealthRequest\x1a#.glmserve.kvstore.v1.HealthResponse\x12]\n\nHostAttach\x12&.glmserve.kvstore.v1.HostAttachRequest\x1a\'.glmserve.kvstore.v1.HostAttachResponse\x12Y\n\nHostLookup\x12\".glmserve.kvstore.v1.LookupRequest\x1a\'.glmserve.kvstore.v1.HostLookupResponse\x12\x61\n\x0eHostBeginWrite\x12*.glmserve.kvstore.v1.HostBeginWriteRequest\x1a#.glmserve.kvstore.v1.HostWriteLease\x12\x63\n\x0cHostEndWrite\x12(.glmserve.kvstore.v1.HostEndWriteRequest\x1a).glmserve.kvstore.v1.HostEndWriteResponse\x12W\n\x08HostLoad\x12$.glmserve.kvstore.v1.HostLoadRequest\x1a%.glmserve.kvstore.v1.HostLoadResponse\x12i\n\x0eHostCancelLoad\x12*.glmserve.kvstore.v1.HostCancelLoadRequest\x1a+.glmserve.kvstore.v1.HostCancelLoadResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!glmserve/kvstore/v1/kvstore.proto\x12\x13glmserve.kvstore.v1\"\x8c\x01\n\nBlockEvent\x12,\n\x04kind\x18\x01 \x01(\x0e\x32\x1e.glmserve.kvstore.v1.EventKind\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\'\n\x04tier\x18\x03 \x01(\x0e\x32\x19.glmserve.kvstore.v1.Tier\x12\x14\n\x0c\x62lock_hashes\x18\x04 \x03(\x0c\"=\n\nEventBatch\x12/\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x1f.glmserve.kvstore.v1.BlockEvent\"\x1d\n\x03\x41\x63k\x12\x16\n\x0e\x65vents_applied\x18\x01 \x01(\r\"%\n\rLookupRequest\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\"L\n\x0bWorkerMatch\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x15\n\rdevice_blocks\x18\x02 \x01(\r\x12\x13\n\x0bhost_blocks\x18\x03 \x01(\r\"C\n\x0eLookupResponse\x12\x31\n\x07matches\x18\x01 \x03(\x0b\x32 .glmserve.kvstore.v1.WorkerMatch\"(\n\x13RemoveWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"/\n\x14RemoveWorkerResponse\x12\x17\n\x0f\x65ntries_removed\x18\x01 \x01(\x04\"\x0f\n\rHealthRequest\"s\n\x0eHealthResponse\x12\x15\n\rindex_backend\x18\x01 \x01(\t\x12\x10\n\x08index_up\x18\x02 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\x12\x13\n\x0binstance_id\x18\x04 \x01(\t\x12\x13\n\x0bindex_epoch\x18\x05 \x01(\t\"\x8e\x01\n\x11HostAttachRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x15\n\rtransfer_kind\x18\x02 \x01(\t\x12\x13\n\x0b\x62lock_bytes\x18\x03 \x01(\x04\x12\x13\n\x0btarget_info\x18\x04 \x01(\x0c\x12\x12\n\nrow_offset\x18\x05 \x01(\x04\x12\x11\n\trow_bytes\x18\x06 \x01(\x04\"e\n\x12HostAttachResponse\x12\x13\n\x0btarget_info\x18\x01 \x01(\x0c\x12\x12\n\nnum_blocks\x18\x02 \x01(\x04\x12\x11\n\tholder_id\x18\x03 \x01(\t\x12\x13\n\x0binstance_id\x18\x04 \x01(\t\"(\n\x12HostLookupResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\"i\n\x15HostBeginWriteRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\x12\x12\n\npart_stage\x18\x03 \x01(\r\x12\x13\n\x0bpart_stages\x18\x04 \x01(\r\"P\n\x0eHostWriteLease\x12\x10\n\x08lease_id\x18\x01 \x01(\x04\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\x12\x16\n\x0ehost_block_ids\x18\x03 \x03(\r\":\n\x13HostEndWriteRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\x04\x12\x11\n\tcommitted\x18\x02 \x01(\x08\"&\n\x14HostEndWriteResponse\x12\x0e\n\x06stored\x18\x01 \x01(\r\"z\n\x0fHostLoadRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x12\n\ngeneration\x18\x03 \x01(\x04\x12\x14\n\x0c\x62lock_hashes\x18\x04 \x03(\x0c\x12\x16\n\x0e\x64\x65st_block_ids\x18\x05 \x03(\r\"I\n\x10HostLoadResponse\x12\x15\n\rblocks_loaded\x18\x01 \x01(\r\x12\x0f\n\x07\x64rained\x18\x02 \x01(\x08\x12\r\n\x05\x65rror\x18\x03 \x01(\t\"?\n\x15HostCancelLoadRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\"8\n\x16HostCancelLoadResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x12\x0f\n\x07\x64rained\x18\x02 \x01(\x08*<\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\x0f\n\x0bTIER_DEVICE\x10\x01\x12\r\n\tTIER_HOST\x10\x02*V\n\tEventKind\x12\x1a\n\x16\x45VENT_KIND_UNSPECIFIED\x10\x00\x12\x15\n\x11\x45VENT_KIND_STORED\x10\x01\x12\x16\n\x12\x45VENT_KIND_REMOVED\x10\x02\x32\xa6\x07\n\x07KVStore\x12J\n\rPublishEvents\x12\x1f.glmserve.kvstore.v1.EventBatch\x1a\x18.glmserve.kvstore.v1.Ack\x12Q\n\x06Lookup\x12\".glmserve.kvstore.v1.LookupRequest\x1a#.glmserve.kvstore.v1.LookupResponse\x12\x63\n\x0cRemoveWorker\x12(.glmserve.kvstore.v1.RemoveWorkerRequest\x1a).glmserve.kvstore.v1.RemoveWorkerResponse\x12Q\n\x06Health\x12\".glmserve.kvstore.v1.HealthRequest\x1a#.glmserve.kvstore.v1.HealthResponse\x12]\n\nHostAttach\x12&.glmserve.kvstore.v1.HostAttachRequest\x1a\'.glmserve.kvstore.v1.HostAttachResponse\x12Y\n\nHostLookup\x12\".glmserve.kvstore.v1.LookupRequest\x1a\'.glmserve.kvstore.v1.HostLookupResponse\x12\x61\n\x0eHostBeginWrite\x12*.glmserve.kvstore.v1.HostBeginWriteRequest\x1a#.glmserve.kvstore.v1.HostWriteLease\x12\x63\n\x0cHostEndWrite\x12(.glmserve.kvstore.v1.HostEndWriteRequest\x1a).glmserve.kvstore.v1.HostEndWriteResponse\x12W\n\x08HostLoad\x12$.glmserve.kvstore.v1.HostLoadRequest\x1a%.glmserve.kvstore.v1.HostLoadResponse\x12i\n\x0eHostCancelLoad\x12*.glmserve.kvstore.v1.HostCancelLoadRequest\x1a+.glmserve.kvstore.v1.HostCancelLoadResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'glmserve.kvstore.v1.kvstore_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TIER']._serialized_start=1526
-  _globals['_TIER']._serialized_end=1586
-  _globals['_EVENTKIND']._serialized_start=1588
-  _globals['_EVENTKIND']._serialized_end=1674
+  _globals['_TIER']._serialized_start=1607
+  _globals['_TIER']._serialized_end=1667
+  _globals['_EVENTKIND']._serialized_start=1669
+  _globals['_EVENTKIND']._serialized_end=1755
   _globals['_BLOCKEVENT']._serialized_start=59
   _globals['_BLOCKEVENT']._serialized_end=199
   _globals['_EVENTBATCH']._serialized_start=201
@@ -56,28 +56,28 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_HEALTHREQUEST']._serialized_end=587
   _globals['_HEALTHRESPONSE']._serialized_start=589
   _globals['_HEALTHRESPONSE']._serialized_end=704
-  _globals['_HOSTATTACHREQUEST']._serialized_start=706
-  _globals['_HOSTATTACHREQUEST']._serialized_end=809
-  _globals['_HOSTATTACHRESPONSE']._serialized_start=811
-  _globals['_HOSTATTACHRESPONSE']._serialized_end=912
-  _globals['_HOSTLOOKUPRESPONSE']._serialized_start=914
-  _globals['_HOSTLOOKUPRESPONSE']._serialized_end=954
-  _globals['_HOSTBEGINWRITEREQUEST']._serialized_start=956
-  _globals['_HOSTBEGINWRITEREQUEST']._serialized_end=1020
-  _globals['_HOSTWRITELEASE']._serialized_start=1022
-  _globals['_HOSTWRITELEASE']._serialized_end=1102
-  _globals['_HOSTENDWRITEREQUEST']._serialized_start=1104
-  _globals['_HOSTENDWRITEREQUEST']._serialized_end=1162
-  _globals['_HOSTENDWRITERESPONSE']._serialized_start=1164
-  _globals['_HOSTENDWRITERESPONSE']._serialized_end=1202
-  _globals['_HOSTLOADREQUEST']._serialized_start=1204
-  _globals['_HOSTLOADREQUEST']._serialized_end=1326
-  _globals['_HOSTLOADRESPONSE']._serialized_start=1328
-  _globals['_HOSTLOADRESPONSE']._serialized_end=1401
-  _globals['_HOSTCANCELLOADREQUEST']._serialized_start=1403
-  _globals['_HOSTCANCELLOADREQUEST']._serialized_end=1466
-  _globals['_HOSTCANCELLOADRESPONSE']._serialized_start=1468
-  _globals['_HOSTCANCELLOADRESPONSE']._serialized_end=1524
-  _globals['_KVSTORE']._serialized_start=1677
-  _globals['_KVSTORE']._serialized_end=2611
+  _globals['_HOSTATTACHREQUEST']._serialized_start=707
+  _globals['_HOSTATTACHREQUEST']._serialized_end=849
+  _globals['_HOSTATTACHRESPONSE']._serialized_start=851
+  _globals['_HOSTATTACHRESPONSE']._serialized_end=952
+  _globals['_HOSTLOOKUPRESPONSE']._serialized_start=954
+  _globals['_HOSTLOOKUPRESPONSE']._serialized_end=994
+  _globals['_HOSTBEGINWRITEREQUEST']._serialized_start=996
+  _globals['_HOSTBEGINWRITEREQUEST']._serialized_end=1101
+  _globals['_HOSTWRITELEASE']._serialized_start=1103
+  _globals['_HOSTWRITELEASE']._serialized_end=1183
+  _globals['_HOSTENDWRITEREQUEST']._serialized_start=1185
+  _globals['_HOSTENDWRITEREQUEST']._serialized_end=1243
+  _globals['_HOSTENDWRITERESPONSE']._serialized_start=1245
+  _globals['_HOSTENDWRITERESPONSE']._serialized_end=1283
+  _globals['_HOSTLOADREQUEST']._serialized_start=1285
+  _globals['_HOSTLOADREQUEST']._serialized_end=1407
+  _globals['_HOSTLOADRESPONSE']._serialized_start=1409
+  _globals['_HOSTLOADRESPONSE']._serialized_end=1482
+  _globals['_HOSTCANCELLOADREQUEST']._serialized_start=1484
+  _globals['_HOSTCANCELLOADREQUEST']._serialized_end=1547
+  _globals['_HOSTCANCELLOADRESPONSE']._serialized_start=1549
+  _globals['_HOSTCANCELLOADRESPONSE']._serialized_end=1605
+  _globals['_KVSTORE']._serialized_start=1758
+  _globals['_KVSTORE']._serialized_end=2692
 # @@protoc_insertion_point(module_scope)

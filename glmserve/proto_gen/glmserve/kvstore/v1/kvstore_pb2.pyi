@@ -103,16 +103,20 @@ class HealthResponse(_message.Message):
     def __init__(self, index_backend: _Optional[str] = ..., index_up: _Optional[bool] = ..., detail: _Optional[str] = ..., instance_id: _Optional[str] = ..., index_epoch: _Optional[str] = ...) -> None: ...
 
 class HostAttachRequest(_message.Message):
-    __slots__ = ("worker_id", "transfer_kind", "block_bytes", "target_info")
+    __slots__ = ("worker_id", "transfer_kind", "block_bytes", "target_info", "row_offset", "row_bytes")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_KIND_FIELD_NUMBER: _ClassVar[int]
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     TARGET_INFO_FIELD_NUMBER: _ClassVar[int]
+    ROW_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    ROW_BYTES_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     transfer_kind: str
     block_bytes: int
     target_info: bytes
-    def __init__(self, worker_id: _Optional[str] = ..., transfer_kind: _Optional[str] = ..., block_bytes: _Optional[int] = ..., target_info: _Optional[bytes] = ...) -> None: ...
+    row_offset: int
+    row_bytes: int
+    def __init__(self, worker_id: _Optional[str] = ..., transfer_kind: _Optional[str] = ..., block_bytes: _Optional[int] = ..., target_info: _Optional[bytes] = ..., row_offset: _Optional[int] = ..., row_bytes: _Optional[int] = ...) -> None: ...
 
 class HostAttachResponse(_message.Message):
     __slots__ = ("target_info", "num_blocks", "holder_id", "instance_id")
@@ -133,12 +137,16 @@ class HostLookupResponse(_message.Message):
     def __init__(self, num_blocks: _Optional[int] = ...) -> None: ...
 
 class HostBeginWriteRequest(_message.Message):
-    __slots__ = ("worker_id", "block_hashes")
+    __slots__ = ("worker_id", "block_hashes", "part_stage", "part_stages")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    PART_STAGE_FIELD_NUMBER: _ClassVar[int]
+    PART_STAGES_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, worker_id: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    part_stage: int
+    part_stages: int
+    def __init__(self, worker_id: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., part_stage: _Optional[int] = ..., part_stages: _Optional[int] = ...) -> None: ...
 
 class HostWriteLease(_message.Message):
     __slots__ = ("lease_id", "block_hashes", "host_block_ids")

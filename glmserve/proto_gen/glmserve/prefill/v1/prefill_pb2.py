@@ -26,7 +26,7 @@ _sym_db = _symbol_database.Default()
 from glmserve.proto_gen.glmserve.common.v1 import generation_pb2 as glmserve_dot_common_dot_v1_dot_generation__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!glmserve/prefill/v1/prefill.proto\x12\x13glmserve.prefill.v1\x1a#glmserve/common/v1/generation.proto\"\xf2\x01\n\x0ePrefillRequest\x12\x30\n\x08transfer\x18\x01 \x01(\x0b\x32\x1e.glmserve.common.v1.TransferId\x12\x12\n\nprompt_ids\x18\x02 \x03(\r\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.glmserve.common.v1.Sampling\x12\x15\n\rdecode_target\x18\x04 \x01(\x0c\x12\x16\n\x0e\x64\x65st_block_ids\x18\x05 \x03(\r\x12\x15\n\rtransfer_kind\x18\x06 \x01(\t\x12\x10\n\x08\x63hecksum\x18\x07 \x01(\x08\x12\x12\n\ncache_salt\x18\x08 \x01(\t\"\xcc\x01\n\x0cPrefillReply\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\r\x12\x1a\n\rfirst_logprob\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\nmtp_hidden\x18\x03 \x01(\x0c\x12\r\n\x05stamp\x18\x04 \x01(\x0c\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\r\x12;\n\x12\x66irst_top_logprobs\x18\x06 \x01(\x0b\x32\x1f.glmserve.common.v1.TopLogprobsB\x10\n\x0e_first_logprob\"P\n\x0c\x41\x62ortRequest\x12\x30\n\x08transfer\x18\x01 \x01(\x0b\x32\x1e.glmserve.common.v1.TransferId\x12\x0e\n\x06reason\x18\x02 \x01(\t\",\n\nAbortReply\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x12\x0f\n\x07\x64rained\x18\x02 \x01(\x08\"\x0f\n\rHealthRequest\"\x8e\x01\n\x0bHealthReply\x12\r\n\x05ready\x18\x01 \x01(\x08\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x0f\n\x07running\x18\x03 \x01(\r\x12\x0f\n\x07waiting\x18\x04 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x05 \x01(\r\x12\x12\n\ncache_root\x18\x06 \x01(\x0c\x12\x12\n\nblock_size\x18\x07 \x01(\r2\xf9\x01\n\x07Prefill\x12Q\n\x07Prefill\x12#.glmserve.prefill.v1.PrefillRequest\x1a!.glmserve.prefill.v1.PrefillReply\x12K\n\x05\x41\x62ort\x12!.glmserve.prefill.v1.AbortRequest\x1a\x1f.glmserve.prefill.v1.AbortReply\x12N\n\x06Health\x12\".glmserve.prefill.v1.HealthRequest\x1a .glmserve.prefill.v1.HealthReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!glmserve/prefill/v1/prefill.proto\x12\x13glmserve.prefill.v1\x1a#glmserve/common/v1/generation.proto\"\xf2\x01\n\x0ePrefillRequest\x12\x30\n\x08transfer\x18\x01 \x01(\x0b\x32\x1e.glmserve.common.v1.TransferId\x12\x12\n\nprompt_ids\x18\x02 \x03(\r\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.glmserve.common.v1.Sampling\x12\x15\n\rdecode_target\x18\x04 \x01(\x0c\x12\x16\n\x0e\x64\x65st_block_ids\x18\x05 \x03(\r\x12\x15\n\rtransfer_kind\x18\x06 \x01(\t\x12\x10\n\x08\x63hecksum\x18\x07 \x01(\x08\x12\x12\n\ncache_salt\x18\x08 \x01(\t\"\xe0\x01\n\x0cPrefillReply\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\r\x12\x1a\n\rfirst_logprob\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\nmtp_hidden\x18\x03 \x01(\x0c\x12\r\n\x05stamp\x18\x04 \x01(\x0c\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\r\x12;\n\x12\x66irst_top_logprobs\x18\x06 \x01(\x0b\x32\x1f.glmserve.common.v1.TopLogprobs\x12\x12\n\nnum_stages\x18\x07 \x01(\rB\x10\n\x0e_first_logprob\"P\n\x0c\x41\x62ortRequest\x12\x30\n\x08transfer\x18\x01 \x01(\x0b\x32\x1e.glmserve.common.v1.TransferId\x12\x0e\n\x06reason\x18\x02 \x01(\t\",\n\nAbortReply\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x12\x0f\n\x07\x64rained\x18\x02 \x01(\x08\"\x0f\n\rHealthRequest\"\x8e\x01\n\x0bHealthReply\x12\r\n\x05ready\x18\x01 \x01(\x08\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x0f\n\x07running\x18\x03 \x01(\r\x12\x0f\n\x07waiting\x18\x04 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x05 \x01(\r\x12\x12\n\ncache_root\x18\x06 \x01(\x0c\x12\x12\n\nblock_size\x18\x07 \x01(\r2\xf9\x01\n\x07Prefill\x12Q\n\x07Prefill\x12#.glmserve.prefill.v1.PrefillRequest\x1a!.glmserve.prefill.v1.PrefillReply\x12K\n\x05\x41\x62ort\x12!.glmserve.prefill.v1.AbortRequest\x1a\x1f.glmserve.prefill.v1.AbortReply\x12N\n\x06Health\x12\".glmserve.prefill.v1.HealthRequest\x1a .glmserve.prefill.v1.HealthReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,15 +36,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PREFILLREQUEST']._serialized_start=96
   _globals['_PREFILLREQUEST']._serialized_end=338
   _globals['_PREFILLREPLY']._serialized_start=341
-  _globals['_PREFILLREPLY']._serialized_end=545
-  _globals['_ABORTREQUEST']._serialized_start=547
-  _globals['_ABORTREQUEST']._serialized_end=627
-  _globals['_ABORTREPLY']._serialized_start=629
-  _globals['_ABORTREPLY']._serialized_end=673
-  _globals['_HEALTHREQUEST']._serialized_start=675
-  _globals['_HEALTHREQUEST']._serialized_end=690
-  _globals['_HEALTHREPLY']._serialized_start=693
-  _globals['_HEALTHREPLY']._serialized_end=835
-  _globals['_PREFILL']._serialized_start=838
-  _globals['_PREFILL']._serialized_end=1087
+  _globals['_PREFILLREPLY']._serialized_end=565
+  _globals['_ABORTREQUEST']._serialized_start=567
+  _globals['_ABORTREQUEST']._serialized_end=647
+  _globals['_ABORTREPLY']._serialized_start=649
+  _globals['_ABORTREPLY']._serialized_end=693
+  _globals['_HEALTHREQUEST']._serialized_start=695
+  _globals['_HEALTHREQUEST']._serialized_end=710
+  _globals['_HEALTHREPLY']._serialized_start=713
+  _globals['_HEALTHREPLY']._serialized_end=855
+  _globals['_PREFILL']._serialized_start=858
+  _globals['_PREFILL']._serialized_end=1107
 # @@protoc_insertion_point(module_scope)

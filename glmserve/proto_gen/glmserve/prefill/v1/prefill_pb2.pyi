@@ -29,20 +29,22 @@ class PrefillRequest(_message.Message):
     def __init__(self, transfer: _Optional[_Union[_generation_pb2.TransferId, _Mapping]] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.Sampling, _Mapping]] = ..., decode_target: _Optional[bytes] = ..., dest_block_ids: _Optional[_Iterable[int]] = ..., transfer_kind: _Optional[str] = ..., checksum: _Optional[bool] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class PrefillReply(_message.Message):
-    __slots__ = ("first_token", "first_logprob", "mtp_hidden", "stamp", "num_cached_tokens", "first_top_logprobs")
+    __slots__ = ("first_token", "first_logprob", "mtp_hidden", "stamp", "num_cached_tokens", "first_top_logprobs", "num_stages")
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     MTP_HIDDEN_FIELD_NUMBER: _ClassVar[int]
     STAMP_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    NUM_STAGES_FIELD_NUMBER: _ClassVar[int]
     first_token: int
     first_logprob: float
     mtp_hidden: bytes
     stamp: bytes
     num_cached_tokens: int
     first_top_logprobs: _generation_pb2.TopLogprobs
-    def __init__(self, first_token: _Optional[int] = ..., first_logprob: _Optional[float] = ..., mtp_hidden: _Optional[bytes] = ..., stamp: _Optional[bytes] = ..., num_cached_tokens: _Optional[int] = ..., first_top_logprobs: _Optional[_Union[_generation_pb2.TopLogprobs, _Mapping]] = ...) -> None: ...
+    num_stages: int
+    def __init__(self, first_token: _Optional[int] = ..., first_logprob: _Optional[float] = ..., mtp_hidden: _Optional[bytes] = ..., stamp: _Optional[bytes] = ..., num_cached_tokens: _Optional[int] = ..., first_top_logprobs: _Optional[_Union[_generation_pb2.TopLogprobs, _Mapping]] = ..., num_stages: _Optional[int] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("transfer", "reason")
