@@ -58,7 +58,10 @@ def decoding_engine(model, mtp: str, prompts: list[list[int]], max_tokens: int) 
 
 
 def measure(model, prompts: list[list[int]], steps: int, warmup: int) -> dict:
-    engines = {m: decoding_engine(model, m, prompts, steps + warmup + 16) for m in ("auto", "off")}
+    # auto emits up to 1 + max_drafts tokens a step: its requests must outlast every timed step (they ran
+    # out before, and the empty steps counted as free "drafting nothing" ones)
+    max_tokens = (steps + warmup) * (1 + EngineConfig().max_drafts) + 16
+    engines = {m: decoding_engine(model, m, prompts, max_tokens) for m in ("auto", "off")}
     for _ in range(warmup):
         for e in engines.values():
             e.step()
