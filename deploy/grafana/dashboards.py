@@ -144,6 +144,13 @@ WORKERS = [
     Panel("KV blocks free", ((f"glmserve_kv_blocks_free{{{M}}}", "{{role}} {{instance}}"),), "short"),
     Panel("Requests running", ((f"glmserve_worker_requests_running{{{M}}}", "{{role}} {{instance}}"),), "short"),
     Panel("Requests waiting", ((f"glmserve_worker_requests_waiting{{{M}}}", "{{role}} {{instance}}"),), "short"),
+    Panel("Router admission queue", ((f"sum(glmserve_router_queue_length{{{M}}})", "queued"),
+                                     rate("glmserve_router_queue_wait_seconds_count", legend="waited / s")), "short",
+          description="Requests waiting for a running slot on the routers, and how many per second had to wait; "
+                      "its refusals are under Rejections on the SLO overview."),
+    Panel("Router queue wait p99", ((
+        f"histogram_quantile(0.99, sum by (le) (rate(glmserve_router_queue_wait_seconds_bucket{{{M}}}[{RI}])))",
+        "p99"),), "s", description="Of the requests that waited; empty while none waits."),
     Panel("Preemptions", (rate("glmserve_worker_preemptions_total", "instance"),), "ops"),
     Panel("Queue time p99, per worker", ((
         f"histogram_quantile(0.99, sum by (le, instance) (rate(glmserve_worker_request_queue_time_seconds_bucket{{{M}}}[{RI}])))",
