@@ -145,6 +145,10 @@ def test_workers_attach_again_after_a_kvstore_restart(cluster: Cluster) -> None:
     rng = random.Random(8)
     prompt = [rng.randrange(10, 8000) for _ in range(400)]
     reusable = reusable_blocks(len(prompt), BLOCK) * BLOCK
+    # Blocks to republish, whatever ran before: their write-through done before the kill
+    earlier = cluster.run("before-restart", [rng.randrange(10, 8000) for _ in range(200)])
+    written = (200 + len(earlier.tokens)) // BLOCK
+    assert cluster.kvstore.wait_metric("glmserve_host_tier_blocks", lambda v: v >= written) >= written
     cluster.kvstore.restart()
     # The index is rebuilt by the workers' publishers (they see the new epoch): the prefill
     # worker's earlier prompts are found again without any new request.
@@ -152,8 +156,12 @@ def test_workers_attach_again_after_a_kvstore_restart(cluster: Cluster) -> None:
     while not cluster.kvstore.indexed_blocks("device"):
         assert time.monotonic() < deadline, "the workers did not republish their blocks"
         time.sleep(0.1)
+    # Write-through reaches the new host tier only once the workers attached to it again: the first
+    # attach sizes the tier; each worker's link checks its kvstore every second (HostTierLink._watch)
+    # and skips writes while detached, so give both two checks.
+    assert cluster.kvstore.wait_metric("glmserve_host_tier_capacity_blocks", lambda v: v > 0) > 0
+    time.sleep(2.5)
     cold = cluster.run("after-restart-cold", prompt)
-    # Write-through reaches the new host tier only once the workers attached to it again.
     blocks = (len(prompt) + MAX_TOKENS - 1) // BLOCK
     assert cluster.kvstore.wait_metric("glmserve_host_tier_blocks", lambda v: v >= blocks) >= blocks
     cluster.restart_prefill()
