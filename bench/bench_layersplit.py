@@ -133,7 +133,7 @@ def ttft(decode: Proc, prefill: str, rid: str, prompt: list[int]) -> float:
             async for event in decode_grpc.DecodeStub(channel).Generate(request, timeout=3000):
                 if event.token_ids and first is None:
                     first = time.perf_counter() - start
-                if event.finished and event.error:
+                if event.finish_reason and event.error:
                     raise RuntimeError(f"{rid}: {event.error}")
             assert first is not None
             return first
