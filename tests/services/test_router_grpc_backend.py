@@ -27,7 +27,7 @@ from glmserve.proto_gen.glmserve.decode.v1 import decode_pb2 as decode_pb
 from glmserve.proto_gen.glmserve.decode.v1 import decode_pb2_grpc as decode_grpc
 from glmserve.proto_gen.glmserve.prefill.v1 import prefill_pb2 as prefill_pb
 from glmserve.proto_gen.glmserve.prefill.v1 import prefill_pb2_grpc as prefill_grpc
-from glmserve.services.router.backend import BackendUnavailable
+from glmserve.services.router.backend import BackendUnavailable, WorkerUnreachable
 from glmserve.services.router.grpc_backend import DisaggregatedBackend
 
 REPO = Path(__file__).resolve().parents[2]
@@ -37,12 +37,14 @@ TOKENS = [11, 12, 13, 14, 15]
 class FakeDecode(decode_grpc.DecodeServicer):
     """Streams ``tokens`` (one per event, ``delay_s`` apart, at most max_tokens) with ``texts`` (a
     text per token, as a decode worker makes it); records requests and the request ids whose call
-    was cancelled; ``fail`` refuses every Generate with that code."""
+    was cancelled; ``fail`` refuses every Generate with that code; the first ``unprefilled`` calls
+    end with ABORTED (as a decode worker whose channel to a restarted prefill worker reconnects)."""
 
     def __init__(self, tokens: list[int], delay_s: float = 0.01, free_blocks: int = 100,
-                 fail: grpc.StatusCode | None = None, texts: list[str] | None = None):
+                 fail: grpc.StatusCode | None = None, texts: list[str] | None = None, unprefilled: int = 0):
         self.tokens, self.delay_s, self.free_blocks, self.fail = tokens, delay_s, free_blocks, fail
         self.texts = texts or [""] * len(tokens)
+        self.unprefilled = unprefilled
         self.requests: list[decode_pb.GenerateRequest] = []
         self.running: set[str] = set()
         self.cancelled: list[str] = []
@@ -51,6 +53,9 @@ class FakeDecode(decode_grpc.DecodeServicer):
         self.requests.append(request)
         if self.fail is not None:
             await context.abort(self.fail, "fake refusal")
+        if len(self.requests) <= self.unprefilled:
+            await context.abort(grpc.StatusCode.ABORTED, "prefill worker 127.0.0.1:1 failed or is unreachable: "
+                                "failed to connect to all addresses")
         rid = request.transfer.request_id
         self.running.add(rid)
         n = min(len(self.tokens), request.sampling.max_tokens)
@@ -211,15 +216,36 @@ def test_refused_before_the_first_event_retries_elsewhere_with_a_new_generation(
     run(scenario)
 
 
+def test_a_decode_worker_that_could_not_reach_prefill_is_tried_again_not_failed() -> None:
+    async def scenario() -> None:
+        decode = FakeDecode(TOKENS, unprefilled=2)
+        server, addr = await start_fake(decode=decode, prefill=FakePrefill())
+        backend = DisaggregatedBackend([addr], [addr], poll_interval_s=0.05)
+        await backend.start()
+        await eventually(backend.ready)
+        for _ in range(2):  # nothing was generated: "try again in a moment", not an error event
+            with pytest.raises(WorkerUnreachable):
+                await collect(backend.generate("u1", [1], SamplingParams(max_tokens=2)))
+            assert healthy(backend, addr)  # the decode worker is not at fault
+        events = await collect(backend.generate("u1", [1], SamplingParams(max_tokens=2)))
+        assert [e.token_ids for e in events] == [[11], [12]]
+        await backend.close()
+        await server.stop(None)
+
+    run(scenario)
+
+
 # --- a fake worker in its own process --------------------------------------------------------------
 
 
 def start_fake_process(port: int = 0, tokens: list[int] = TOKENS, delay_s: float = 0.01,
-                       free_blocks: int = 100, with_text: bool = False) -> tuple[subprocess.Popen[str], str]:
+                       free_blocks: int = 100, with_text: bool = False,
+                       unprefilled: int = 0) -> tuple[subprocess.Popen[str], str]:
     """This file as a script: a fake decode + prefill server; returns (process, host:port).
     ``with_text``: events carry the tokens' text (the bundled model's tokenizer)."""
     cmd = [sys.executable, __file__, "--port", str(port), "--tokens", ",".join(map(str, tokens)),
-           "--delay", str(delay_s), "--free-blocks", str(free_blocks), *(["--with-text"] if with_text else [])]
+           "--delay", str(delay_s), "--free-blocks", str(free_blocks), "--unprefilled", str(unprefilled),
+           *(["--with-text"] if with_text else [])]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env, cwd=REPO)
     line = proc.stdout.readline()
@@ -325,6 +351,46 @@ def test_router_streams_through_a_worker_and_reports_its_death_as_an_sse_error()
         stop_process(proc)
 
 
+def test_a_worker_restarting_behind_its_address_is_a_wait_or_a_503_never_a_500() -> None:
+    """Requests sent while the only worker is down, while it comes back on the same port and while
+    its first calls cannot be prefilled (ABORTED): each answer is a 200 or a 503 with Retry-After."""
+    from router_fixtures import MODEL_DIR, serve
+
+    from glmserve.text.tokenizer import Tokenizer
+
+    tokens = Tokenizer.from_dir(MODEL_DIR).encode(" hello there")
+    proc, addr = start_fake_process(tokens=tokens, with_text=True)
+    body = {"model": "glm52-tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    statuses: list[int] = []
+
+    def ask() -> int:
+        r = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=30)
+        assert r.status_code in (200, 503), r.text
+        if r.status_code == 503:
+            assert int(r.headers["retry-after"]) >= 1 and r.json()["error"]["type"]
+        else:
+            assert r.json()["choices"][0]["message"]["content"] == " hello there"
+        statuses.append(r.status_code)
+        return r.status_code
+
+    try:
+        with serve(_app(DisaggregatedBackend([addr], [addr], poll_interval_s=0.1))) as base:
+            assert ask() == 200
+            stop_process(proc)
+            deadline = time.monotonic() + 5
+            while ask() != 503:  # the router has seen it go
+                assert time.monotonic() < deadline
+            port = int(addr.rsplit(":", 1)[1])
+            proc, _ = start_fake_process(port=port, tokens=tokens, with_text=True, unprefilled=3)
+            deadline = time.monotonic() + 10
+            while ask() != 200:
+                assert time.monotonic() < deadline
+            assert all(ask() == 200 for _ in range(3))
+    finally:
+        stop_process(proc)
+    assert 500 not in statuses
+
+
 async def _serve_fake(args: argparse.Namespace) -> None:
     tokens = [int(t) for t in args.tokens.split(",") if t]
     from router_fixtures import MODEL_DIR
@@ -332,7 +398,8 @@ async def _serve_fake(args: argparse.Namespace) -> None:
     from glmserve.text.tokenizer import Tokenizer
 
     texts = [Tokenizer.from_dir(MODEL_DIR).decode([t]) for t in tokens] if args.with_text else None
-    decode = FakeDecode(tokens, delay_s=args.delay, free_blocks=args.free_blocks, texts=texts)
+    decode = FakeDecode(tokens, delay_s=args.delay, free_blocks=args.free_blocks, texts=texts,
+                        unprefilled=args.unprefilled)
     server, address = await start_fake(decode=decode, prefill=FakePrefill(), port=args.port)
     print(f"READY {address}", flush=True)
     await server.wait_for_termination()
@@ -345,4 +412,5 @@ if __name__ == "__main__":
     parser.add_argument("--delay", type=float, default=0.01)
     parser.add_argument("--free-blocks", type=int, default=100)
     parser.add_argument("--with-text", action="store_true")
+    parser.add_argument("--unprefilled", type=int, default=0)
     asyncio.run(_serve_fake(parser.parse_args()))

@@ -209,6 +209,41 @@ def test_prefill_worker_killed_streams_already_decoding_finish(platform: Platfor
     assert asyncio.run(_solo(platform, PROMPTS[:1], 150))[0].text == reference[0].text
 
 
+def test_requests_while_a_worker_restarts_are_served_or_503_never_500(platform: Platform) -> None:
+    """Requests sent all along a prefill worker's restart: while it is down (503 + Retry-After) and
+    right after it is back, while the decode workers' channels to it still reconnect (then the router
+    tries again within the queue wait): never a 500, and every answer is the unloaded run's."""
+    body = {"model": MODEL_DIR.name, "messages": [{"role": "user", "content": PROMPTS[0]}], "max_tokens": 8,
+            "temperature": 0}
+    reference = httpx.post(f"{platform.url}/v1/chat/completions", json=body, timeout=60).json()
+    answers: list[tuple[float, int, dict]] = []
+    stop = threading.Event()
+
+    def ask_all_along() -> None:
+        with httpx.Client(timeout=60) as client:
+            while not stop.is_set():
+                r = client.post(f"{platform.url}/v1/chat/completions", json=body)
+                answers.append((time.monotonic(), r.status_code, {**r.json(), "retry-after": r.headers.get("retry-after")}))
+
+    asker = threading.Thread(target=ask_all_along, daemon=True)
+    asker.start()
+    time.sleep(0.5)
+    platform.kill("prefill-0")
+    platform.expect(r"glmserve: prefill-0 is back at", timeout_s=300)
+    back = time.monotonic()
+    time.sleep(5)
+    stop.set()
+    asker.join(60)
+    assert {status for _, status, _ in answers} <= {200, 503}, [a for a in answers if a[1] not in (200, 503)]
+    for _, status, answer in answers:
+        if status == 200:
+            assert answer["choices"][0]["message"] == reference["choices"][0]["message"]
+        else:
+            assert int(answer["retry-after"]) >= 1 and answer["error"]["type"]
+    assert any(status == 200 and at > back for at, status, _ in answers)
+    _back(platform, "prefill-0")
+
+
 def test_kvstore_killed_nothing_fails_and_the_index_comes_back(platform: Platform) -> None:
     reference = asyncio.run(_solo(platform, PROMPTS, 60))
     results, _ = asyncio.run(_run_and_kill(platform, PROMPTS, 60, "kvstore", lambda rs: any(r.chunks for r in rs)))

@@ -11,7 +11,11 @@ Failures, from the router's point of view:
 - The call fails (UNAVAILABLE / RESOURCE_EXHAUSTED) before any event: nothing reached the client,
   so the request is retried on another decode worker with a new, larger generation (DESIGN
   invariant 3); with none left, `BackendFull` when every refusal was RESOURCE_EXHAUSTED (a full
-  worker is not an unhealthy one: the router waits for capacity), else `BackendUnavailable` (503).
+  worker is not an unhealthy one: the router waits for capacity), else `WorkerUnreachable` (the
+  router waits a moment and tries again within the queue wait, then 503).
+- ABORTED before any event: the decode worker could not get the prompt prefilled (its channel to
+  a restarted prefill worker still reconnecting, the transfer failed); the prefill worker is
+  re-polled and `WorkerUnreachable` raised at once (the decode worker is not at fault).
 - A decode worker dies mid-stream: the stream ends at once with ``finish_reason="error"``; the
   worker is marked failed (not chosen until a Health poll started afterwards answers ready).
 - An error event from decode (e.g. its prefill worker died): that prefill worker is re-polled at
@@ -49,6 +53,7 @@ from glmserve.services.router.backend import (
     BackendUnavailable,
     GenerationBackend,
     RequestHints,
+    WorkerUnreachable,
 )
 from glmserve.services.router.prefill_routing import RoutingConfig
 from glmserve.services.router.prefix_router import PrefixRouter, RoutedPrefill
@@ -64,14 +69,15 @@ _CHANNEL_OPTIONS = [
     ("grpc.max_reconnect_backoff_ms", 1000),
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
 ]
-_RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
+_RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED)
 
 
 def _refused(refusals: list[grpc.aio.AioRpcError]) -> BackendUnavailable:
-    """Every decode worker tried refused: only full ones (RESOURCE_EXHAUSTED) mean "wait"."""
+    """Every decode worker tried refused: full ones (RESOURCE_EXHAUSTED) mean "wait for capacity",
+    anything else "try again in a moment"."""
     if all(e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED for e in refusals):
         return BackendFull(f"every decode worker is full: {refusals[-1].details()}")
-    return BackendUnavailable(f"decode workers refused the request: {refusals[-1].details()}")
+    return WorkerUnreachable(f"decode workers refused the request: {refusals[-1].details()}")
 
 
 def _error_event(request_id: str, message: str) -> TokenEvent:
@@ -242,6 +248,9 @@ class DisaggregatedBackend(GenerationBackend):
             if not outcome:
                 return
             stream.call = None
+            if outcome[0].code() == grpc.StatusCode.ABORTED:  # the path failed, not this decode worker
+                raise WorkerUnreachable(f"decode worker {decode} could not get the prompt prefilled by "
+                                        f"{prefill}: {outcome[0].details()}")
             tried.append(decode)
             refusals += outcome
             if len(tried) >= self._max_attempts:
@@ -279,6 +288,8 @@ class DisaggregatedBackend(GenerationBackend):
                 return
             if e.code() == grpc.StatusCode.UNAVAILABLE:  # the worker is gone or unreachable
                 self._suspect(self.decode_pool, decode, f"{e.code().name}: {e.details()}")
+            elif e.code() == grpc.StatusCode.ABORTED:  # its prefill worker failed: ask that one now
+                self._recheck(self.prefill_pool, prefill)
             if not got_event and e.code() in _RETRYABLE:
                 retry.append(e)
                 return
