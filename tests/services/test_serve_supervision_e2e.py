@@ -153,6 +153,10 @@ async def _solo(platform: Platform, prompts: list[str], max_tokens: int) -> list
 
 def _back(platform: Platform, name: str) -> None:
     platform.expect(rf"glmserve: {re.escape(name)} is back at", timeout_s=300)
+    _healthy_again(platform)
+
+
+def _healthy_again(platform: Platform) -> None:
     deadline = time.monotonic() + 60
     while not _all_healthy(platform):
         assert time.monotonic() < deadline, platform.ready()
@@ -241,7 +245,7 @@ def test_requests_while_a_worker_restarts_are_served_or_503_never_500(platform: 
         else:
             assert int(answer["retry-after"]) >= 1 and answer["error"]["type"]
     assert any(status == 200 and at > back for at, status, _ in answers)
-    _back(platform, "prefill-0")
+    _healthy_again(platform)
 
 
 def test_kvstore_killed_nothing_fails_and_the_index_comes_back(platform: Platform) -> None:
