@@ -56,6 +56,7 @@ class ServeConfig:
     prefill_stages: int = 1  # LayerSplit: stage processes per prefill worker
     prefill_layer_split: str | None = None  # explicit stage ranges (else the planner's)
     routing: str = "cache_aware"  # the router's --routing (checked by the router)
+    migration_limit: int = 3  # the router's --migration-limit (0: streams never resume elsewhere)
 
     def __post_init__(self) -> None:
         if not (self.model / "config.json").is_file():
@@ -78,6 +79,8 @@ class ServeConfig:
             raise ValueError(f"drain_timeout_s: must be >= 0, got {self.drain_timeout_s}")
         if self.prefill_stages < 1:
             raise ValueError(f"prefill_stages: must be >= 1, got {self.prefill_stages}")
+        if self.migration_limit < 0:
+            raise ValueError(f"migration_limit: must be >= 0, got {self.migration_limit}")
         self.layer_plan()  # ValueError naming prefill_stages or prefill_layer_split
 
     def layer_plan(self):
@@ -109,7 +112,8 @@ class ServeConfig:
                    metrics_port_base=getattr(args, "metrics_port_base", 0),
                    prefill_stages=getattr(args, "prefill_stages", 1),
                    prefill_layer_split=getattr(args, "prefill_layer_split", None),
-                   routing=getattr(args, "routing", cls.routing))
+                   routing=getattr(args, "routing", cls.routing),
+                   migration_limit=getattr(args, "migration_limit", cls.migration_limit))
 
     def metrics_port(self, index: int) -> int | None:
         """The fixed metrics port of child ``index`` (kvstore 0, prefill 1..P, decode after); None: free."""
@@ -132,6 +136,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", action="append", default=[], help="require this key (repeatable)")
     p.add_argument("--routing", choices=["cache_aware", "least_loaded", "round_robin"], default="cache_aware",
                    help="how the router picks a prefill worker")
+    p.add_argument("--migration-limit", type=int, default=ServeConfig.migration_limit,
+                   help="how often a stream whose decode worker died may resume on another one (0: never)")
     p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for every service")
     p.add_argument("--drain-timeout", type=float, default=ServeConfig.drain_timeout_s,
                    help="on stop, seconds each service lets running requests finish")
@@ -222,7 +228,7 @@ def plan(cfg: ServeConfig) -> list[ChildSpec]:
         py, "-m", "glmserve.services.router.main", "--model", str(cfg.model), "--host", cfg.host,
         "--port", str(router_port), "--kvstore", kv, "--prefill", ",".join(addresses["prefill"]),
         "--decode", ",".join(addresses["decode"]), "--routing", cfg.routing,
-        "--drain-timeout-s", str(cfg.drain_timeout_s),
+        "--drain-timeout-s", str(cfg.drain_timeout_s), "--migration-limit", str(cfg.migration_limit),
         *[a for key in cfg.api_keys for a in ("--api-key", key)]),
         url, None, STOP_RANKS["router"], ready=http_ok(f"{url}/ready")))
     return specs

@@ -38,13 +38,16 @@ class FakeDecode(decode_grpc.DecodeServicer):
     """Streams ``tokens`` (one per event, ``delay_s`` apart, at most max_tokens) with ``texts`` (a
     text per token, as a decode worker makes it); records requests and the request ids whose call
     was cancelled; ``fail`` refuses every Generate with that code; the first ``unprefilled`` calls
-    end with ABORTED (as a decode worker whose channel to a restarted prefill worker reconnects)."""
+    end with ABORTED (as a decode worker whose channel to a restarted prefill worker reconnects);
+    ``counting``: the tokens count on from the prompt's last id (a resumed prompt goes on where it
+    stopped, as greedy decoding does)."""
 
     def __init__(self, tokens: list[int], delay_s: float = 0.01, free_blocks: int = 100,
-                 fail: grpc.StatusCode | None = None, texts: list[str] | None = None, unprefilled: int = 0):
+                 fail: grpc.StatusCode | None = None, texts: list[str] | None = None, unprefilled: int = 0,
+                 counting: bool = False):
         self.tokens, self.delay_s, self.free_blocks, self.fail = tokens, delay_s, free_blocks, fail
         self.texts = texts or [""] * len(tokens)
-        self.unprefilled = unprefilled
+        self.unprefilled, self.counting = unprefilled, counting
         self.requests: list[decode_pb.GenerateRequest] = []
         self.running: set[str] = set()
         self.cancelled: list[str] = []
@@ -58,16 +61,20 @@ class FakeDecode(decode_grpc.DecodeServicer):
                                 "failed to connect to all addresses")
         rid = request.transfer.request_id
         self.running.add(rid)
-        n = min(len(self.tokens), request.sampling.max_tokens)
+        tokens, texts, cached = self.tokens, self.texts, 2
+        if self.counting:  # a model that counts on from the prompt's last id
+            tokens = [request.prompt_ids[-1] + 1 + i for i in range(request.sampling.max_tokens)]
+            texts, cached = [""] * len(tokens), len(request.prompt_ids)
+        n = min(len(tokens), request.sampling.max_tokens)
         try:
-            for i, token in enumerate(self.tokens[:n]):
+            for i, token in enumerate(tokens[:n]):
                 await asyncio.sleep(self.delay_s)
                 last = i == n - 1
                 reason = ("length" if n == request.sampling.max_tokens else "stop") if last else ""
                 yield decode_pb.GenerateEvent(
-                    token_ids=[token], text=self.texts[i],
+                    token_ids=[token], text=texts[i],
                     logprobs=[-0.5] if request.sampling.HasField("logprobs") else [],
-                    finish_reason=reason, num_cached_tokens=2,
+                    finish_reason=reason, num_cached_tokens=cached,
                 )
         except asyncio.CancelledError:
             self.cancelled.append(rid)
@@ -235,6 +242,49 @@ def test_a_decode_worker_that_could_not_reach_prefill_is_tried_again_not_failed(
     run(scenario)
 
 
+async def _stream_through_a_death(migration_limit: int) -> tuple[list[TokenEvent], FakeDecode]:
+    """A 40-token stream from a counting fake, whose server stops after 5 tokens; another counting
+    fake stays. Returns the stream's events and the one that stayed."""
+    doomed, staying = FakeDecode([], delay_s=0.02, free_blocks=500, counting=True), FakeDecode([], counting=True)
+    s1, doomed_addr = await start_fake(decode=doomed)
+    s2, staying_addr = await start_fake(decode=staying, prefill=FakePrefill())
+    backend = DisaggregatedBackend([doomed_addr, staying_addr], [staying_addr], poll_interval_s=0.05,
+                                   migration_limit=migration_limit)
+    await backend.start()
+    await eventually(lambda: healthy(backend, doomed_addr) and healthy(backend, staying_addr))
+    stream = backend.generate("m1", [7, 1000], SamplingParams(max_tokens=40, temperature=0.0, logprobs=0))
+    events = [await anext(stream) for _ in range(5)]  # on the doomed one: more free blocks
+    await s1.stop(None)  # its calls end at once: as a killed worker's
+    events += await collect(stream)
+    await backend.close()
+    await s2.stop(None)
+    return events, staying
+
+
+def test_a_stream_whose_decode_worker_dies_resumes_on_another() -> None:
+    async def scenario() -> None:
+        events, staying = await _stream_through_a_death(migration_limit=3)
+        assert [t for e in events for t in e.token_ids] == list(range(1001, 1041))  # as in one run
+        assert events[-1].finish_reason == "length" and not any(e.error for e in events)
+        assert all(e.num_cached_tokens == 2 and e.logprobs == [-0.5] for e in events)  # the first attempt's
+        resumed = staying.requests[0]
+        n = len(resumed.prompt_ids) - 2
+        assert list(resumed.prompt_ids) == [7, 1000, *range(1001, 1001 + n)] and n >= 5
+        assert (resumed.sampling.max_tokens, resumed.sampling.num_resumed) == (40 - n, n)
+
+    run(scenario)
+
+
+def test_without_migration_a_dead_decode_worker_ends_the_stream_with_an_error() -> None:
+    async def scenario() -> None:
+        events, staying = await _stream_through_a_death(migration_limit=0)
+        assert events[-1].finish_reason == "error" and "decode worker" in events[-1].error
+        tokens = [t for e in events for t in e.token_ids]
+        assert 5 <= len(tokens) < 40 and tokens == list(range(1001, 1001 + len(tokens))) and not staying.requests
+
+    run(scenario)
+
+
 # --- a fake worker in its own process --------------------------------------------------------------
 
 
@@ -264,7 +314,8 @@ def test_decode_death_mid_stream_errors_promptly_then_recovers() -> None:
     other, other_addr = start_fake_process(free_blocks=100)
     try:
         async def scenario() -> None:
-            backend = DisaggregatedBackend([doomed_addr, other_addr], [other_addr], poll_interval_s=0.1)
+            backend = DisaggregatedBackend([doomed_addr, other_addr], [other_addr], poll_interval_s=0.1,
+                                           migration_limit=0)  # the stream is not resumed elsewhere
             await backend.start()
             await eventually(lambda: healthy(backend, doomed_addr) and healthy(backend, other_addr))
             stream = backend.generate("k1", [1], SamplingParams(max_tokens=300))

@@ -62,6 +62,7 @@ class RouterConfig:
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     drain_timeout_s: float = 30.0  # on SIGTERM, how long running requests may finish
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies get 413
+    migration_limit: int = 3  # a stream resumes on another decode worker at most this often (0: never)
 
     def __post_init__(self) -> None:
         if not (self.model / "config.json").is_file():
@@ -78,6 +79,8 @@ class RouterConfig:
             raise ValueError(f"poll_interval_s: must be > 0, got {self.poll_interval_s}")
         if self.drain_timeout_s < 0:
             raise ValueError(f"drain_timeout_s: must be >= 0, got {self.drain_timeout_s}")
+        if self.migration_limit < 0:
+            raise ValueError(f"migration_limit: must be >= 0, got {self.migration_limit}")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes: must be >= 1024, got {self.max_body_bytes}")
 
@@ -117,6 +120,9 @@ class RouterConfig:
                        help="on SIGTERM, how long running requests may finish before they are ended")
         p.add_argument("--max-body-bytes", type=int, default=cls.max_body_bytes,
                        help="larger request bodies are refused with 413 before they are read")
+        p.add_argument("--migration-limit", type=int, default=cls.migration_limit,
+                       help="how often a stream whose decode worker died may resume on another one "
+                       "(0: never; the stream then ends with an error event)")
         a = p.parse_args(argv)
         routing = RoutingConfig(host_credit=a.host_credit, max_imbalance=a.max_imbalance,
                                 shared_prefix_fraction=a.shared_prefix_fraction, session_ttl_s=a.session_ttl_s,
@@ -125,7 +131,8 @@ class RouterConfig:
                                     max_queued_per_tenant=a.max_queued_per_tenant, max_wait_s=a.max_queue_wait_s)
         return cls(a.model, tuple(a.decode), tuple(a.prefill), a.host, a.port, a.kvstore,
                    tuple(a.api_keys), a.served_model_name, a.poll_interval_s, routing=routing,
-                   admission=admission, drain_timeout_s=a.drain_timeout_s, max_body_bytes=a.max_body_bytes)
+                   admission=admission, drain_timeout_s=a.drain_timeout_s, max_body_bytes=a.max_body_bytes,
+                   migration_limit=a.migration_limit)
 
 
 class _Server(uvicorn.Server):
@@ -180,6 +187,7 @@ async def serve(config: RouterConfig) -> bool:
     tokenizer = await asyncio.to_thread(Tokenizer.from_dir, config.model)
     backend = DisaggregatedBackend(config.decode, config.prefill, config.kvstore,
                                    poll_interval_s=config.poll_interval_s, routing=config.routing,
+                                   migration_limit=config.migration_limit,
                                    tracing=Tracing.from_env("router"))
     app = create_app(backend, tokenizer, model_name=config.served_model_name or config.model.name,
                      api_keys=list(config.api_keys) or None,
