@@ -71,6 +71,7 @@ def create_app(
     max_context: int,
     admission: AdmissionConfig | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    separate_reasoning: bool = True,
 ) -> FastAPI:
     """An OpenAI-compatible app serving ``model_name`` through ``backend``.
 
@@ -80,10 +81,12 @@ def create_app(
     scrapers carry no keys). Every answer carries ``x-request-id`` (`request_id`).
     ``admission``: the bounds of the admission queue (`AdmissionConfig`'s defaults when None).
     ``max_body_bytes``: a larger request body is refused with 413 before it is read whole.
+    ``separate_reasoning``: chat answers put `<think>` blocks into ``reasoning_content`` unless a
+    request says otherwise (``--reasoning-parser glm45``, the default; False: ``none``).
     The backend is started and closed by the app's lifespan.
     """
     metrics = RouterMetrics(model_name)
-    serving = OpenAIServing(backend, tokenizer, model_name, max_context, metrics, admission)
+    serving = OpenAIServing(backend, tokenizer, model_name, max_context, metrics, admission, separate_reasoning)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
