@@ -15,6 +15,7 @@ from router_fixtures import HAS_MODEL, MODEL_DIR, serve
 
 from glmserve.services.local_backend import LocalEngineBackend
 from glmserve.services.router.app import create_app
+from glmserve.text.special_tokens import TOOL_MARKUP
 from glmserve.text.tokenizer import Tokenizer
 from tools import tiny_corpus
 
@@ -102,10 +103,14 @@ def test_required_and_named_calls_are_valid(client, choice):
 
 
 def test_tool_choice_none_never_calls(client):
+    """Not even with the client's +100 bias on `<tool_call>` (MTP 2): no markup token is generated."""
+    start = Tokenizer.from_dir(MODEL_DIR).token_to_id("<tool_call>")
     for ask in ASKS:
         out = client.chat.completions.create(model=MODEL, messages=_user(ask), tools=TOOLS, tool_choice="none",
-                                             temperature=0, max_tokens=24).choices[0]
+                                             temperature=0, max_tokens=24, logit_bias={str(start): 100},
+                                             logprobs=True).choices[0]
         assert out.message.tool_calls is None and out.finish_reason in ("stop", "length")
+        assert not {e.token for e in out.logprobs.content} & set(TOOL_MARKUP)
 
 
 def test_uncompilable_schema_is_400_and_the_server_keeps_serving(client):

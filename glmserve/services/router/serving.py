@@ -22,7 +22,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from glmserve.core.generation import MAX_LOGIT_BIAS, SamplingParams
+from glmserve.core.generation import SamplingParams
 from glmserve.services.router import completion_bodies as bodies
 from glmserve.services.router.admission import AdmissionConfig, AdmissionQueue
 from glmserve.services.router.admission_metrics import AdmissionMetrics
@@ -45,7 +45,7 @@ from glmserve.services.router.tokenize_requests import (
     tokenize_answer,
 )
 from glmserve.services.router.tool_call_parsing import CallParsing
-from glmserve.text.special_tokens import TOOL_CALL_START, TOOL_MARKUP
+from glmserve.text.special_tokens import TOOL_MARKUP
 from glmserve.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -122,8 +122,8 @@ class OpenAIServing:
         params = body.sampling_params(len(prompt), self.max_context, "messages", self.tokenizer.vocab_size, grammar)
         if tools is not None:  # the tool-call parser reads the markup in the text
             params = replace(params, visible_special_tokens=TOOL_MARKUP)
-        elif body.tools:  # tool_choice "none": no call may start
-            params = replace(params, logit_bias=_banned(params.logit_bias, self._call_start))
+        elif body.tools:  # tool_choice "none": no markup can be generated, whatever the bias
+            params = replace(params, banned_token_ids=self._tool_markup_ids)
         calls = CallParsing(tools, strip_values=grammar is not None and grammar.kind == "tool_calls",
                             parallel=body.parallel_tool_calls)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
@@ -215,8 +215,8 @@ class OpenAIServing:
         return bodies.usage(len(run.prompt_ids), out.num_generated, out.num_cached_tokens)
 
     @property
-    def _call_start(self) -> int | None:
-        return self.tokenizer.token_to_id(TOOL_CALL_START)
+    def _tool_markup_ids(self) -> tuple[int, ...]:
+        return tuple(i for i in (self.tokenizer.token_to_id(t) for t in TOOL_MARKUP) if i is not None)
 
     async def _chat_chunks(self, run: RequestRun, created: int, calls_parsing: CallParsing,
                            include_usage: bool) -> AsyncIterator[dict[str, Any]]:
@@ -273,13 +273,6 @@ async def _whole(run: RequestRun) -> Output | Answer:
     except APIError as e:  # counted by the run already
         return Answer(e.to_dict(), status=e.status, headers=e.headers)
     return out if out.finish_reason is not None else Answer(status=499)
-
-
-def _banned(bias: tuple[tuple[int, float], ...], token: int | None) -> tuple[tuple[int, float], ...]:
-    """``bias`` with ``token`` at the lowest bias OpenAI allows (the model never picks it in practice)."""
-    if token is None:
-        return bias
-    return tuple(sorted({**dict(bias), token: -MAX_LOGIT_BIAS}.items()))
 
 
 def _finish_reason(reason: str, has_calls: bool) -> str:
