@@ -121,3 +121,20 @@ def message_parts(choice) -> dict:
     return {"content": m.content or "", "reasoning": getattr(m, "reasoning_content", None), "calls": calls,
             "finish": choice.finish_reason}
 
+
+AGENT_CALL_TEXT = "Let me look.<tool_call>read_file<arg_key>path</arg_key><arg_value>a.py</arg_value></tool_call>"
+
+
+def agent_script(tokenizer: Tokenizer) -> Callable[[list[int]], list[int]]:
+    """A scripted agent turn: a tool result in the prompt gets "The file says hello.", a prompt
+    with SCRIPT-CALL gets `AGENT_CALL_TEXT` (text, then a read_file call), any other six words."""
+    call, answer = tokenizer.encode(AGENT_CALL_TEXT), tokenizer.encode("The file says hello.")
+    words = tokenizer.encode("one two three four five six")
+
+    def script(prompt: list[int]) -> list[int]:
+        text = tokenizer.decode(prompt)
+        if "<tool_response>" in text:
+            return answer
+        return call if "SCRIPT-CALL" in text else words
+
+    return script

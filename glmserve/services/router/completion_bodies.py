@@ -149,5 +149,10 @@ def sse(data: dict[str, Any]) -> str:
 SSE_DONE = "data: [DONE]\n\n"
 
 
+def named_sse(event: dict[str, Any]) -> str:
+    """One SSE event named by its ``type`` (the Responses and Messages APIs' framing)."""
+    return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
+
+
 def error_event(err: APIError) -> str:
     return sse(err.to_dict())

@@ -1,8 +1,10 @@
 """The router process: ``python -m glmserve.services.router.main --model DIR --host H --port P
 --decode host:port[,host:port...] --prefill host:port[,...] [--kvstore host:port] [--api-key K ...]``.
 
-Serves the OpenAI API (`app.create_app`) over a `DisaggregatedBackend`. The tokenizer, chat
-template and context length come from ``--model`` (no weights are read; torch is never imported).
+Serves the OpenAI API (`app.create_app`) over a `DisaggregatedBackend`; with ``--kvstore``, the
+stored responses of ``/v1/responses`` live in the kvstore (so every router replica reads them).
+The tokenizer, chat template and context length come from ``--model`` (no weights are read; torch
+is never imported).
 ``--port 0`` takes a free port. Prints ``READY http://host:port`` on stdout once it accepts HTTP
 (``/ready`` turns 200 when a prefill and a decode worker answer Health).
 
@@ -36,6 +38,7 @@ from glmserve.services.router.app import DEFAULT_MAX_BODY_BYTES, create_app
 from glmserve.services.router.chat_output import REASONING_PARSERS
 from glmserve.services.router.grpc_backend import DisaggregatedBackend
 from glmserve.services.router.prefill_routing import POLICIES, RoutingConfig
+from glmserve.services.router.responses_store import KVStoreResponseStore
 from glmserve.services.router.worker_pool import check_address
 from glmserve.services.tracing import Tracing
 from glmserve.text.tokenizer import Tokenizer
@@ -193,6 +196,8 @@ async def serve(config: RouterConfig) -> bool:
                      api_keys=list(config.api_keys) or None,
                      max_context=model_config["max_position_embeddings"], admission=config.admission,
                      max_body_bytes=config.max_body_bytes,
+                     # Stored responses where every replica reads them (else in this process).
+                     response_store=KVStoreResponseStore(config.kvstore) if config.kvstore else None,
                      separate_reasoning=config.reasoning_parser != "none")
     sock = _bind(config.host, config.port)
     port = sock.getsockname()[1]

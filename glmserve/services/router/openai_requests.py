@@ -320,8 +320,11 @@ def parse_body(model: type[Body], raw: bytes) -> Body:
 
 
 def _bad_request(error: ValidationError) -> APIError:
-    first = error.errors(include_url=False)[0]
-    loc = [str(part) for part in first["loc"]]
+    errors = error.errors(include_url=False)
+    # Of the first field's errors, the deepest: for a union (`content`: a string or parts) the
+    # part that is wrong, not "should be a string".
+    first = max((e for e in errors if e["loc"][:1] == errors[0]["loc"][:1]), key=lambda e: len(e["loc"]))
+    loc = [str(part) for part in first["loc"] if not _is_branch(part)]
     if first["type"] == "json_invalid":
         return invalid_request(f"The request body is not valid JSON: {first['msg']}")
     if first["type"] == "model_type" and not loc:
@@ -331,3 +334,8 @@ def _bad_request(error: ValidationError) -> APIError:
         return invalid_request(f"{'.'.join(loc)}: {message}", loc[0])
     return from_value_error(ValueError(message))  # a cross-field check: "<field>: ..."
 
+
+
+def _is_branch(part: Any) -> bool:
+    """A union member's label in an error location (``str``, ``list[...]``), not a field."""
+    return isinstance(part, str) and ("[" in part or part in ("str", "int", "float", "bool", "dict", "list"))

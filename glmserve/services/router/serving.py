@@ -57,13 +57,15 @@ log = logging.getLogger(__name__)
 class Answer:
     """A whole JSON ``body`` (``status`` 499: the client left first, nobody reads it), or a stream
     of ``chunks`` (each one JSON object; an error object may end it); ``run``: the request's run,
-    when one was accepted (a stream's transport closes it)."""
+    when one was accepted (a stream's transport closes it); ``named_events``: each chunk is an SSE
+    event named by its ``type`` and no ``[DONE]`` follows (the Responses and Messages APIs)."""
 
     body: dict[str, Any] | None = None
     chunks: AsyncIterator[dict[str, Any]] | None = None
     run: RequestRun | None = None
     status: int = 200
     headers: dict[str, str] = field(default_factory=dict)
+    named_events: bool = False
 
 
 class OpenAIServing:
