@@ -93,3 +93,30 @@ def test_message_events_add_up_to_the_message():
     partial = "".join(e["delta"]["partial_json"] for e in events if e["type"] == "content_block_delta"
                       and e["delta"]["type"] == "input_json_delta")
     assert json.loads(partial) == {"path": 1}
+
+
+REASONED = [_chunk({"role": "assistant", "content": ""}), _chunk({"reasoning_content": "Let me "}),
+            _chunk({"reasoning_content": "think."}), _chunk({"content": "Done."}), _chunk(finish="stop"),
+            {"choices": [], "usage": USAGE}]
+
+
+def test_reasoning_becomes_a_reasoning_item_and_a_thinking_block():
+    pieces = _pieces(REASONED)
+    body = {"choices": [{"message": {"content": "Done.", "reasoning_content": "Let me think."},
+                         "finish_reason": "stop"}], "usage": USAGE}
+    assert [type(p).__name__ for p in whole_pieces(body, RUN)] == ["ReasoningPiece", "TextPiece", "Finished"]
+    responses = ResponseAssembly("resp_1", 0, "m", {})
+    events = [e for p in pieces for e in responses.feed(p)]
+    output = responses.response()["output"]
+    assert [i["type"] for i in output] == ["reasoning", "message"]
+    assert output[0]["content"] == [{"type": "reasoning_text", "text": "Let me think."}]
+    kinds = [e["type"] for e in events]
+    assert kinds[:4] == ["response.output_item.added", "response.reasoning_text.delta",
+                         "response.reasoning_text.delta", "response.reasoning_text.done"]
+    assert responses.assistant_message() == {"role": "assistant", "content": "Done."}  # not in the next prompt
+    messages = MessageAssembly("msg_1", "m")
+    events = [e for p in pieces for e in messages.feed(p)]
+    assert messages.message()["content"] == [{"type": "thinking", "thinking": "Let me think.", "signature": ""},
+                                             {"type": "text", "text": "Done."}]
+    assert [e["delta"]["type"] for e in events if e["type"] == "content_block_delta"] == [
+        "thinking_delta", "thinking_delta", "text_delta"]

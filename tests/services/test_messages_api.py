@@ -192,3 +192,20 @@ def test_body_schemas_do_not_clash_in_openapi():
         schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
         for name, definition in {**schema.pop("$defs", {}), model.__name__: schema}.items():
             assert seen.setdefault(name, definition) == definition, f"two models named {name}"
+
+
+def test_a_failure_is_an_anthropic_error_never_a_cut_stream(client, backend):
+    backend.fail_with, backend.fail_after = "decode worker 10.1.2.3:5001 died", 0
+    try:
+        with pytest.raises(anthropic.InternalServerError) as e:  # before the first token: an HTTP status
+            client.messages.create(model=MODEL, max_tokens=10, messages=_user("hi"), stream=True)
+        assert e.value.body["error"]["type"] == "api_error" and "<address>" in e.value.body["error"]["message"]
+        backend.fail_after = 2  # after tokens went out: an error event
+        with pytest.raises(anthropic.APIStatusError) as e:
+            list(client.messages.create(model=MODEL, max_tokens=10, messages=_user("hi"), stream=True))
+        assert "<address>" in str(e.value)
+        with pytest.raises(anthropic.InternalServerError):
+            client.messages.create(model=MODEL, max_tokens=10, messages=_user("hi"))
+    finally:
+        backend.fail_with, backend.fail_after = None, 0
+    assert client.messages.create(model=MODEL, max_tokens=10, messages=_user("hi")).stop_reason == "end_turn"

@@ -185,3 +185,20 @@ def test_refusals_come_before_any_stream_byte(served, backend):
     schema = httpx.get(f"{url}/openapi.json").json()
     assert "ResponsesRequest" in schema["components"]["schemas"]
     assert schema["paths"]["/v1/responses"]["post"]["requestBody"]["required"]
+
+
+def test_a_failure_is_an_error_answer_never_a_cut_stream(client, backend):
+    backend.fail_with, backend.fail_after = "decode worker 10.1.2.3:5001 died", 0
+    try:
+        with pytest.raises(openai.InternalServerError) as e:  # before the first token: an HTTP status
+            client.responses.create(model=MODEL, input="hi", stream=True)
+        assert "<address>" in e.value.body["message"]
+        backend.fail_after = 2  # after tokens went out: an error event, then response.failed
+        events = list(client.responses.create(model=MODEL, input="hi", stream=True))
+        assert [e.type for e in events[-2:]] == ["error", "response.failed"]
+        assert events[-1].response.status == "failed" and "<address>" in events[-2].message
+        with pytest.raises(openai.InternalServerError):
+            client.responses.create(model=MODEL, input="hi")
+    finally:
+        backend.fail_with, backend.fail_after = None, 0
+    assert client.responses.create(model=MODEL, input="hi").status == "completed"  # still serving

@@ -1,5 +1,6 @@
 """A chat completion's answer read as the pieces the agent APIs (`/v1/responses`, `/v1/messages`)
-are built from: text, tool calls (started, then argument pieces), and how it finished.
+are built from: reasoning (``reasoning_content``), text, tool calls (started, then argument
+pieces), and how it finished.
 
 Both APIs are adapters over the chat path (same template, same `RequestRun`, so the same prefix
 caching, sessions and admission); they read its answer, whole (`whole_pieces`) or streamed
@@ -19,6 +20,13 @@ from glmserve.services.router.request_run import RequestRun
 
 @dataclass(frozen=True)
 class TextPiece:
+    text: str
+
+
+@dataclass(frozen=True)
+class ReasoningPiece:
+    """Reasoning the model wrote before its answer (the chat answer's ``reasoning_content``)."""
+
     text: str
 
 
@@ -52,7 +60,7 @@ class Failed:
     error: dict[str, Any]
 
 
-Piece = TextPiece | CallStarted | CallArguments | Finished | Failed
+Piece = ReasoningPiece | TextPiece | CallStarted | CallArguments | Finished | Failed
 
 
 def stop_sequence(run: RequestRun | None) -> str | None:
@@ -76,6 +84,8 @@ async def stream_pieces(chunks: AsyncIterator[dict[str, Any]], run: RequestRun) 
                 continue
             choice = chunk["choices"][0]
             delta = choice.get("delta") or {}
+            if delta.get("reasoning_content"):
+                yield ReasoningPiece(delta["reasoning_content"])
             if delta.get("content"):
                 yield TextPiece(delta["content"])
             for call in delta.get("tool_calls") or []:
@@ -94,7 +104,8 @@ def whole_pieces(body: dict[str, Any], run: RequestRun | None) -> list[Piece]:
     """The pieces of a whole chat completion body."""
     choice = body["choices"][0]
     message = choice["message"]
-    pieces: list[Piece] = [TextPiece(message["content"])] if message.get("content") else []
+    pieces: list[Piece] = [ReasoningPiece(message["reasoning_content"])] if message.get("reasoning_content") else []
+    pieces += [TextPiece(message["content"])] if message.get("content") else []
     for index, call in enumerate(message.get("tool_calls") or []):
         pieces.append(CallStarted(index, call["id"], call["function"]["name"]))
         pieces.append(CallArguments(index, call["function"]["arguments"]))

@@ -1,9 +1,11 @@
 """An Anthropic Messages answer put together from a chat answer's pieces (`chat_pieces`), with the
 stream events that tell a client how it grows, and Anthropic's error shape.
 
-Content blocks: a ``text`` block for each run of text, a ``tool_use`` block for each tool call, in
-the order the model wrote them. Events: ``message_start``; per block ``content_block_start``,
-``content_block_delta`` (``text_delta`` / ``input_json_delta``)..., ``content_block_stop``; then
+Content blocks: a ``thinking`` block for the reasoning (no signature: nothing here checks one), a
+``text`` block for each run of text, a ``tool_use`` block for each tool call, in the order the
+model wrote them. Events: ``message_start``; per block ``content_block_start``,
+``content_block_delta`` (``thinking_delta`` / ``text_delta`` / ``input_json_delta``)...,
+``content_block_stop``; then
 ``message_delta`` (``stop_reason``, ``stop_sequence``, usage) and ``message_stop``; or an
 ``error`` event. ``stop_reason``: ``end_turn``, ``max_tokens``, ``stop_sequence`` or ``tool_use``.
 Usage as Anthropic counts it: ``input_tokens`` are the prompt tokens not read from the prefix
@@ -22,6 +24,7 @@ from glmserve.services.router.chat_pieces import (
     CallStarted,
     Finished,
     Piece,
+    ReasoningPiece,
     TextPiece,
     cached_tokens,
 )
@@ -81,7 +84,9 @@ class MessageAssembly:
 
     def feed(self, piece: Piece) -> list[dict[str, Any]]:
         if isinstance(piece, TextPiece):
-            return self._text(piece.text)
+            return self._text("text", piece.text)
+        if isinstance(piece, ReasoningPiece):
+            return self._text("thinking", piece.text)
         if isinstance(piece, CallStarted):
             return self._call_started(piece)
         if isinstance(piece, CallArguments):
@@ -99,17 +104,18 @@ class MessageAssembly:
             self.content[index]["input"] = _object(self._arguments[index])
         return [{"type": "content_block_stop", "index": index}]
 
-    def _text(self, text: str) -> list[dict[str, Any]]:
+    def _text(self, kind: str, text: str) -> list[dict[str, Any]]:
+        """A piece of a ``text`` or a ``thinking`` block (its text is in the field of that name)."""
         events = []
-        if self._open is None or self.content[self._open]["type"] != "text":
+        if self._open is None or self.content[self._open]["type"] != kind:
             events += self._close()
             self._open = len(self.content)
-            self.content.append({"type": "text", "text": ""})
-            events.append({"type": "content_block_start", "index": self._open,
-                           "content_block": {"type": "text", "text": ""}})
-        self.content[self._open]["text"] += text
+            block = {"type": kind, kind: "", **({"signature": ""} if kind == "thinking" else {})}
+            self.content.append(block)
+            events.append({"type": "content_block_start", "index": self._open, "content_block": dict(block)})
+        self.content[self._open][kind] += text
         return events + [{"type": "content_block_delta", "index": self._open,
-                          "delta": {"type": "text_delta", "text": text}}]
+                          "delta": {"type": f"{kind}_delta", kind: text}}]
 
     def _call_started(self, piece: CallStarted) -> list[dict[str, Any]]:
         events = self._close()

@@ -1,10 +1,12 @@
 """A Response object (the OpenAI Responses API) put together from a chat answer's pieces
 (`chat_pieces`), with the stream events that tell a client how it grows.
 
-Output items: a ``message`` (one ``output_text`` part) for each run of text, a ``function_call``
-for each tool call, in the order the model wrote them. Events, as the OpenAI API sends them:
-``response.created``, ``response.in_progress``; per item ``response.output_item.added``, then for a
-message ``response.content_part.added``, ``response.output_text.delta``..., ``.done``,
+Output items: a ``reasoning`` item (one ``reasoning_text`` part) for the reasoning, a ``message``
+(one ``output_text`` part) for each run of text, a ``function_call`` for each tool call, in the
+order the model wrote them. Events, as the OpenAI API sends them:
+``response.created``, ``response.in_progress``; per item ``response.output_item.added``, then for
+reasoning ``response.reasoning_text.delta``..., ``.done``, for a message
+``response.content_part.added``, ``response.output_text.delta``..., ``.done``,
 ``response.content_part.done``, and for a call ``response.function_call_arguments.delta``...,
 ``.done``; ``response.output_item.done``; last ``response.completed`` (``response.incomplete``
 when the output hit ``max_output_tokens``), or ``error`` and ``response.failed``. Every event has
@@ -23,6 +25,7 @@ from glmserve.services.router.chat_pieces import (
     Failed,
     Finished,
     Piece,
+    ReasoningPiece,
     TextPiece,
     cached_tokens,
 )
@@ -47,6 +50,7 @@ class ResponseAssembly:
         self.response_id, self.created_at, self.model, self.echo = response_id, created_at, model, echo
         self.output: list[dict[str, Any]] = []
         self._text: int | None = None  # output index of the open message item
+        self._reasoning: int | None = None  # ... of the open reasoning item
         self._calls: dict[int, int] = {}  # open calls: chat call index -> output index
         self._seq = 0
         self.status, self.usage = "in_progress", None
@@ -63,15 +67,18 @@ class ResponseAssembly:
                 self._event("response.in_progress", response=self.response())]
 
     def feed(self, piece: Piece) -> list[dict[str, Any]]:
-        if isinstance(piece, TextPiece):
-            return self._text_piece(piece.text)
-        if isinstance(piece, CallStarted):
-            return self._close_text() + self._call_started(piece)
+        if isinstance(piece, ReasoningPiece):
+            return self._close_text() + self._reasoning_piece(piece.text)
         if isinstance(piece, CallArguments):
             return self._call_arguments(piece)
+        events = self._close_reasoning()
+        if isinstance(piece, TextPiece):
+            return events + self._text_piece(piece.text)
+        if isinstance(piece, CallStarted):
+            return events + self._close_text() + self._call_started(piece)
         if isinstance(piece, Finished):
-            return self._finished(piece)
-        return self._failed(piece)
+            return events + self._finished(piece)
+        return events + self._failed(piece)
 
     def assistant_message(self) -> dict[str, Any]:
         """The output as one chat assistant message (what the next turn's prompt holds)."""
@@ -103,6 +110,29 @@ class ResponseAssembly:
         events.append(self._event("response.output_text.delta", item_id=item["id"], output_index=self._text,
                                   content_index=0, delta=text, logprobs=[]))
         return events
+
+    def _reasoning_piece(self, text: str) -> list[dict[str, Any]]:
+        events = []
+        if self._reasoning is None:
+            self._reasoning = len(self.output)
+            item = {"type": "reasoning", "id": _id("rs"), "status": "in_progress", "summary": [], "content": []}
+            self.output.append(item)
+            events.append(self._event("response.output_item.added", output_index=self._reasoning, item=dict(item)))
+            item["content"] = [{"type": "reasoning_text", "text": ""}]
+        item = self.output[self._reasoning]
+        item["content"][0]["text"] += text
+        return events + [self._event("response.reasoning_text.delta", item_id=item["id"], output_index=self._reasoning,
+                                     content_index=0, delta=text)]
+
+    def _close_reasoning(self) -> list[dict[str, Any]]:
+        if self._reasoning is None:
+            return []
+        index, self._reasoning = self._reasoning, None
+        item = self.output[index]
+        item["status"] = "completed"
+        return [self._event("response.reasoning_text.done", item_id=item["id"], output_index=index, content_index=0,
+                            text=item["content"][0]["text"]),
+                self._event("response.output_item.done", output_index=index, item=dict(item))]
 
     def _close_text(self, status: str = "completed") -> list[dict[str, Any]]:
         if self._text is None:
