@@ -66,10 +66,13 @@ class SamplingParams:
     - ``presence_penalty`` / ``frequency_penalty``: in [-2, 2]; subtracted from the logit of each
       token generated so far, once / once per occurrence (0 = off).
     - ``logit_bias``: (token id, bias in [-100, 100]) pairs added to the logits (a dict is accepted).
+    - ``banned_token_ids``: token ids never generated (their logits are -inf before sampling and
+      draft verification, whatever the bias); the router bans the tool-call markup for
+      ``tool_choice="none"``.
     - ``grammar``: the output must match it (`GrammarSpec`); None = free.
 
-    Order of processing: grammar mask, logit_bias, repetition, presence and frequency penalties (on
-    the logits, greedy rows too), then temperature, min_p, top-k, top-p (sampled rows).
+    Order of processing: logit_bias, repetition, presence and frequency penalties, the banned
+    tokens, the grammar mask (on the logits, greedy rows too), then temperature, min_p, top-k, top-p (sampled rows).
     Sequences (lists) are stored as tuples so the object stays hashable.
     """
 
@@ -89,6 +92,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     grammar: GrammarSpec | None = None
+    banned_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         # Normalise list inputs to tuples before validating (frozen: bypass __setattr__).
@@ -98,7 +102,7 @@ class SamplingParams:
             object.__setattr__(self, "logit_bias", tuple(sorted(self.logit_bias.items())))
         elif isinstance(self.logit_bias, list):
             object.__setattr__(self, "logit_bias", tuple(tuple(pair) for pair in self.logit_bias))
-        for name in ("stop", "stop_token_ids", "visible_special_tokens"):
+        for name in ("stop", "stop_token_ids", "visible_special_tokens", "banned_token_ids"):
             value = getattr(self, name)
             if isinstance(value, list):
                 object.__setattr__(self, name, tuple(value))
@@ -154,6 +158,10 @@ class SamplingParams:
         ):
             raise ValueError(f"logit_bias: must map token ids >= 0 to biases in [-{MAX_LOGIT_BIAS:g}, "
                              f"{MAX_LOGIT_BIAS:g}], got {self.logit_bias!r}")
+        if not isinstance(self.banned_token_ids, tuple) or not all(
+            _is_int(t) and t >= 0 for t in self.banned_token_ids
+        ):
+            raise ValueError(f"banned_token_ids: must be a sequence of ints >= 0, got {self.banned_token_ids!r}")
         if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
             raise ValueError(f"grammar: must be a GrammarSpec or None, got {type(self.grammar).__name__}")
 
@@ -173,8 +181,8 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        """Anything applies to the logits before the sampler (grammar, bias, penalties)."""
-        return self.grammar is not None or bool(self.logit_bias) or self.has_penalties
+        """Anything applies to the logits before the sampler (grammar, bias, bans, penalties)."""
+        return self.grammar is not None or bool(self.logit_bias) or bool(self.banned_token_ids) or self.has_penalties
 
 
 def check_prompt(prompt_ids: list[int], params: SamplingParams, vocab_size: int, max_positions: int) -> None:
