@@ -66,6 +66,9 @@ class SamplingParams:
     - ``presence_penalty`` / ``frequency_penalty``: in [-2, 2]; subtracted from the logit of each
       token generated so far, once / once per occurrence (0 = off).
     - ``logit_bias``: (token id, bias in [-100, 100]) pairs added to the logits (a dict is accepted).
+    - ``banned_token_ids``: token ids never generated (their logits are -inf before sampling and
+      draft verification, whatever the bias); the router bans the tool-call markup for
+      ``tool_choice="none"``.
     - ``grammar``: the output must match it (`GrammarSpec`); None = free.
     - ``num_resumed``: the last ``num_resumed`` prompt ids are this request's own output from an
       earlier attempt (a stream migrated off a decode worker that died): their text was already
@@ -73,8 +76,8 @@ class SamplingParams:
       not emit it), and penalties and the grammar count them as output. ``max_tokens`` is what is
       left. 0 for every request a client sends.
 
-    Order of processing: grammar mask, logit_bias, repetition, presence and frequency penalties (on
-    the logits, greedy rows too), then temperature, min_p, top-k, top-p (sampled rows).
+    Order of processing: logit_bias, repetition, presence and frequency penalties, the banned
+    tokens, the grammar mask (on the logits, greedy rows too), then temperature, min_p, top-k, top-p (sampled rows).
     Sequences (lists) are stored as tuples so the object stays hashable.
     """
 
@@ -94,6 +97,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     grammar: GrammarSpec | None = None
+    banned_token_ids: tuple[int, ...] = ()
     num_resumed: int = 0
 
     def __post_init__(self) -> None:
@@ -104,7 +108,7 @@ class SamplingParams:
             object.__setattr__(self, "logit_bias", tuple(sorted(self.logit_bias.items())))
         elif isinstance(self.logit_bias, list):
             object.__setattr__(self, "logit_bias", tuple(tuple(pair) for pair in self.logit_bias))
-        for name in ("stop", "stop_token_ids", "visible_special_tokens"):
+        for name in ("stop", "stop_token_ids", "visible_special_tokens", "banned_token_ids"):
             value = getattr(self, name)
             if isinstance(value, list):
                 object.__setattr__(self, name, tuple(value))
@@ -160,6 +164,10 @@ class SamplingParams:
         ):
             raise ValueError(f"logit_bias: must map token ids >= 0 to biases in [-{MAX_LOGIT_BIAS:g}, "
                              f"{MAX_LOGIT_BIAS:g}], got {self.logit_bias!r}")
+        if not isinstance(self.banned_token_ids, tuple) or not all(
+            _is_int(t) and t >= 0 for t in self.banned_token_ids
+        ):
+            raise ValueError(f"banned_token_ids: must be a sequence of ints >= 0, got {self.banned_token_ids!r}")
         if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
             raise ValueError(f"grammar: must be a GrammarSpec or None, got {type(self.grammar).__name__}")
         if not _is_int(self.num_resumed) or self.num_resumed < 0:
@@ -181,8 +189,8 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        """Anything applies to the logits before the sampler (grammar, bias, penalties)."""
-        return self.grammar is not None or bool(self.logit_bias) or self.has_penalties
+        """Anything applies to the logits before the sampler (grammar, bias, bans, penalties)."""
+        return self.grammar is not None or bool(self.logit_bias) or bool(self.banned_token_ids) or self.has_penalties
 
 
 def check_prompt(prompt_ids: list[int], params: SamplingParams, vocab_size: int, max_positions: int) -> None:

@@ -1,5 +1,5 @@
 """LogitsProcessor: what changes a request's logits before the sampler (grammar mask, logit_bias,
-repetition / presence / frequency penalties), and the per-request state it needs.
+repetition / presence / frequency penalties, banned tokens), and the per-request state it needs.
 
 The engine calls it at four points of a step, and nothing else of it knows about grammars:
 
@@ -8,8 +8,9 @@ The engine calls it at four points of a step, and nothing else of it knows about
 - `adjust(work, logits)` after the main forward: a copy of each affected item's logits, every row
   processed for the tokens before it (a decode item's row i follows its first i drafts), so
   sampling and draft verification see what non-speculative decoding would see;
-- `draft_logits` / `drafted` while MTP drafts: drafts are chosen under the grammar, so the masks of
-  the later positions exist (penalties are left out of drafts: verification stays lossless);
+- `draft_logits` / `drafted` while MTP drafts: drafts are chosen under the grammar and the bans, so
+  the masks of the later positions exist (penalties are left out of drafts: verification stays
+  lossless);
 - `kept(req, tokens)` once tokens are final (the grammar advances; counts grow).
 
 The raw logits stay untouched: logprobs are reported under the model's distribution.
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from glmserve.engine.penalties import apply_logit_bias, apply_penalties
+from glmserve.engine.penalties import apply_bans, apply_logit_bias, apply_penalties
 from glmserve.engine.request import Request
 from glmserve.engine.scheduler import ScheduledWork
 from glmserve.text.tokenizer import Tokenizer
@@ -65,9 +66,10 @@ class LogitsProcessor:
         req.logits = None
         if not p.adjusts_logits:
             return
-        bad = [t for t, _ in p.logit_bias if t >= self.vocab_size]
-        if bad:
-            raise ValueError(f"logit_bias: token ids out of range (vocabulary of {self.vocab_size}): {bad[:5]}")
+        for name, ids in (("logit_bias", [t for t, _ in p.logit_bias]), ("banned_token_ids", p.banned_token_ids)):
+            bad = [t for t in ids if t >= self.vocab_size]
+            if bad:
+                raise ValueError(f"{name}: token ids out of range (vocabulary of {self.vocab_size}): {bad[:5]}")
         grammar = None
         if p.grammar is not None:
             from glmserve.engine.grammar_matcher import RequestGrammar
@@ -109,6 +111,7 @@ class LogitsProcessor:
                 if seen is not None:
                     seen[j + 1 :, t] = True
             apply_penalties(x, p, seen, counts)
+        apply_bans(x, p)
         if state.grammar is not None:
             from glmserve.engine.grammar_matcher import apply_masks
 
@@ -116,14 +119,17 @@ class LogitsProcessor:
         return x
 
     def draft_logits(self, req: Request, logits: torch.Tensor) -> torch.Tensor:
-        """The MTP logits [V] of the next draft, masked by the grammar after the drafts so far."""
+        """The MTP logits [V] of the next draft: the banned tokens out, masked by the grammar after
+        the drafts so far."""
         grammar = req.logits.grammar if req.logits is not None else None
-        if grammar is None:
+        if grammar is None and not req.params.banned_token_ids:
             return logits
-        from glmserve.engine.grammar_matcher import apply_masks
-
         x = logits.float().clone().view(1, -1)
-        apply_masks(x, grammar.draft_mask(len(req.drafts)))
+        apply_bans(x, req.params)
+        if grammar is not None:
+            from glmserve.engine.grammar_matcher import apply_masks
+
+            apply_masks(x, grammar.draft_mask(len(req.drafts)))
         return x[0]
 
     def drafted(self, req: Request, token: int) -> None:

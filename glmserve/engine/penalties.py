@@ -1,4 +1,4 @@
-"""Logit bias and the repetition, presence and frequency penalties (OpenAI / vLLM semantics).
+"""Logit bias, the repetition, presence and frequency penalties (OpenAI / vLLM semantics), and bans.
 
 On the logits of one request, in this order (the same for every row a step scores, so speculative
 verification sees exactly what non-speculative decoding would):
@@ -7,7 +7,8 @@ verification sees exactly what non-speculative decoding would):
 - ``repetition_penalty`` r (CTRL / HF / vLLM): every token in the prompt or the output so far has
   its logit divided by r when positive, multiplied by r otherwise;
 - ``frequency_penalty`` f and ``presence_penalty`` p: ``logit[t] -= f * count[t] + p * (count[t] > 0)``,
-  where count[t] is how often t occurs in the output so far (the prompt does not count).
+  where count[t] is how often t occurs in the output so far (the prompt does not count);
+- ``banned_token_ids``: ``logit[t] = -inf`` (last, so no bias or penalty can bring one back).
 """
 
 from __future__ import annotations
@@ -38,3 +39,10 @@ def apply_penalties(
         logits.copy_(torch.where(seen, penalised, logits))
     if params.frequency_penalty or params.presence_penalty:
         logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(logits.dtype)
+
+
+def apply_bans(logits: torch.Tensor, params: SamplingParams) -> None:
+    """In place on ``logits`` [R, V]: the banned tokens can never be sampled or accepted."""
+    if params.banned_token_ids:
+        ids = torch.tensor(params.banned_token_ids, dtype=torch.long, device=logits.device)
+        logits[:, ids] = float("-inf")

@@ -1,17 +1,20 @@
-"""Logit bias, repetition / presence / frequency penalties and min_p against reference computations
-written out per token (plain Python over the vocabulary, no shared code with the engine): greedy
-decoding in the engine (with and without MTP drafts, batched with a free request) equals a one-token
--at-a-time decoder applying the reference; min_p keeps exactly the tokens whose probability is at
-least min_p times the largest."""
+"""Logit bias, repetition / presence / frequency penalties, banned tokens and min_p against reference
+computations written out per token (plain Python over the vocabulary, no shared code with the
+engine): greedy decoding in the engine (with and without MTP drafts, batched with a free request)
+equals a one-token-at-a-time decoder applying the reference; a banned token never comes out even
+when its logit beats every other by far more than any bias can take back; min_p keeps exactly the
+tokens whose probability is at least min_p times the largest."""
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
 import torch
 from constrained_fixtures import reference_greedy
 from engine_fixtures import prompts, random_model
+from torch import nn
 
 from glmserve.core.generation import SamplingParams
 from glmserve.engine.engine import Engine, EngineConfig
@@ -80,6 +83,49 @@ def test_greedy_with_penalties_equals_the_reference(model, expected, mtp):
         assert r.output_ids == expected(p, sp), sp
     free = [expected(p, SamplingParams(max_tokens=MAX_NEW, temperature=0.0)) for p in ps[:-1]]
     assert all(r.output_ids != f for r, f in zip(reqs, free, strict=False)), "each case changed the output"
+    if mtp != "off":
+        assert engine.stats.draft_tokens > 0
+
+
+FAVOURITE = 5  # the token the scripted head favours by +1000 at every position (main and MTP)
+
+
+@pytest.fixture(scope="module")
+def favouring_model(model):
+    """The model with its shared lm_head scripted: token FAVOURITE's logit is 1000 above what it
+    would be, so without a ban it wins every position (a -100 bias cannot take that back)."""
+    scripted = copy.deepcopy(model)
+    head = nn.Linear(scripted.lm_head.in_features, scripted.lm_head.out_features, bias=True)
+    with torch.no_grad():
+        head.weight.copy_(scripted.lm_head.weight)
+        head.bias.zero_()
+        head.bias[FAVOURITE] = 1000.0
+    scripted.lm_head = head
+    return scripted.eval()
+
+
+def _masked(token: int):
+    def process(logits: torch.Tensor, out: list[int]) -> torch.Tensor:
+        logits[token] = -math.inf
+        return logits
+    return process
+
+
+@pytest.mark.parametrize("mtp", ["off", 2])
+def test_a_banned_token_never_comes_out(favouring_model, mtp):
+    """The ban beats the client's +100 bias and a logit 1000 above the rest, in sampling and in
+    MTP drafting / verification; the old way (-100 bias) still lets the token through."""
+    engine = Engine(favouring_model, EngineConfig(block_size=16, kv_cache_bytes=2 * 2**20, max_step_tokens=128,
+                                                  mtp=mtp))
+    ps = prompts(3, seed=5, min_len=4, max_len=20)
+    banned = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, banned_token_ids=(FAVOURITE,),
+                            logit_bias={FAVOURITE: 100.0})
+    sampled = SamplingParams(max_tokens=MAX_NEW, temperature=1.0, seed=3, banned_token_ids=(FAVOURITE,))
+    biased = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, logit_bias={FAVOURITE: -100.0})
+    reqs = engine.generate(ps, [banned, sampled, biased])
+    assert FAVOURITE not in reqs[0].output_ids + reqs[1].output_ids
+    assert reqs[0].output_ids == reference_greedy(favouring_model, ps[0], MAX_NEW, _masked(FAVOURITE))
+    assert reqs[2].output_ids[0] == FAVOURITE, "a bias alone does not ban"
     if mtp != "off":
         assert engine.stats.draft_tokens > 0
 

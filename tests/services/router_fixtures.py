@@ -101,3 +101,40 @@ class ScriptedBackend(GenerationBackend):
             yield TokenEvent(request_id, [token], delta, logprobs, top, checker.finish_reason, checker.stop_reason)
             if checker.finished:
                 return
+
+
+def accumulated_stream(client, **kwargs):
+    """A chat stream put together by the `openai` client's own helpers (`chat.completions.stream`):
+    the final choice, and every chunk's delta in order."""
+    deltas = []
+    with client.chat.completions.stream(**kwargs) as stream:
+        for event in stream:
+            if event.type == "chunk" and event.chunk.choices:
+                deltas.append(event.chunk.choices[0].delta)
+        return stream.get_final_completion().choices[0], deltas
+
+
+def message_parts(choice) -> dict:
+    """What a chat choice says, ids aside: content, reasoning, calls (name, arguments), finish."""
+    m = choice.message
+    calls = [(c.function.name, c.function.arguments) for c in m.tool_calls or []]
+    return {"content": m.content or "", "reasoning": getattr(m, "reasoning_content", None), "calls": calls,
+            "finish": choice.finish_reason}
+
+
+AGENT_CALL_TEXT = "Let me look.<tool_call>read_file<arg_key>path</arg_key><arg_value>a.py</arg_value></tool_call>"
+
+
+def agent_script(tokenizer: Tokenizer) -> Callable[[list[int]], list[int]]:
+    """A scripted agent turn: a tool result in the prompt gets "The file says hello.", a prompt
+    with SCRIPT-CALL gets `AGENT_CALL_TEXT` (text, then a read_file call), any other six words."""
+    call, answer = tokenizer.encode(AGENT_CALL_TEXT), tokenizer.encode("The file says hello.")
+    words = tokenizer.encode("one two three four five six")
+
+    def script(prompt: list[int]) -> list[int]:
+        text = tokenizer.decode(prompt)
+        if "<tool_response>" in text:
+            return answer
+        return call if "SCRIPT-CALL" in text else words
+
+    return script

@@ -11,12 +11,16 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
+import torch
 from logprob_oracle import reference_logprobs
 from router_fixtures import HAS_MODEL, MODEL_DIR, ScriptedBackend, serve
 
+from glmserve.engine.logits_processor import LogitsProcessor
+from glmserve.engine.request import Request
 from glmserve.model.loader import load_model
 from glmserve.services.local_backend import LocalEngineBackend
 from glmserve.services.router.app import create_app
+from glmserve.text.special_tokens import TOOL_MARKUP
 from glmserve.text.tokenizer import Tokenizer
 from tools import tiny_corpus
 
@@ -169,11 +173,9 @@ def test_model_emits_a_parsed_tool_call(client):
     assert calls and whole.choices[0].finish_reason == "tool_calls", whole.choices[0].message
     assert calls[0].function.name in tiny_corpus.TOOLS and calls[0].id.startswith("call_")
     args = json.loads(calls[0].function.arguments)
-    stream_calls = [tc for d in streamed for tc in d.delta.tool_calls or []]
-    assert [(tc.function.name, json.loads(tc.function.arguments)) for tc in stream_calls][0] == (
-        calls[0].function.name,
-        args,
-    )
+    first = [tc for d in streamed for tc in d.delta.tool_calls or [] if tc.index == 0]  # in pieces
+    name, arguments = first[0].function.name, "".join(tc.function.arguments or "" for tc in first)
+    assert (name, json.loads(arguments)) == (calls[0].function.name, args)
     assert streamed[-1].finish_reason == "tool_calls"
 
 
@@ -283,11 +285,30 @@ def test_tool_call_markup_becomes_tool_calls(scripted):
     ]
     deltas = [c.choices[0].delta for c in client.chat.completions.create(stream=True, **kwargs) if c.choices]
     assert "".join(d.content or "" for d in deltas) == "Let me look."
-    assert [tc.function.name for d in deltas for tc in d.tool_calls or []] == ["read_file"]
+    assert [tc.function.name for d in deltas for tc in d.tool_calls or [] if tc.function.name] == ["read_file"]
     no_tools = client.chat.completions.create(**{**kwargs, "tool_choice": "none"}).choices[0]
     assert no_tools.message.tool_calls is None and no_tools.message.content.startswith(
         "Let me look.read_file"
     )
+
+
+def test_tool_choice_none_bans_the_markup_whatever_the_bias(scripted):
+    """The params the router sends for ``tool_choice="none"``, through the engine's real logits
+    processing: a `<tool_call>` logit 1000 above every other, plus the client's +100 bias, still
+    never wins (a bias, even the lowest OpenAI allows, could not hold it back)."""
+    backend, client, tokenizer = scripted
+    start = tokenizer.token_to_id("<tool_call>")
+    client.chat.completions.create(model=MODEL, messages=_user("x"), tools=TOOLS, tool_choice="none", max_tokens=4,
+                                   logit_bias={str(start): 100})
+    params = backend.generated[-1][2]
+    assert {tokenizer.token_to_id(t) for t in TOOL_MARKUP} <= set(params.banned_token_ids)
+    assert dict(params.logit_bias) == {start: 100}  # the client's bias is kept as sent
+    req = Request("r", [1, 2], params)
+    processor = LogitsProcessor(tokenizer, tokenizer.vocab_size)
+    processor.attach(req)
+    logits = torch.zeros(1, tokenizer.vocab_size)
+    logits[0, start] = 1000.0
+    assert int(processor.first_token_logits(req, logits).argmax()) != start
 
 
 def test_stop_strings_end_the_request_where_the_text_is_made(scripted):

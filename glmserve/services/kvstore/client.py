@@ -224,6 +224,18 @@ class AsyncKVStoreClient:
                              timeout_s=max(self.timeout_s, 70.0))
         return r.found, r.drained
 
+    # -- client records (stored Responses) --------------------------------------------------------
+
+    async def put_record(self, namespace: str, key: str, value: bytes, ttl_s: float) -> bool:
+        """Keep ``value`` under (namespace, key) for ``ttl_s``; False: too large to keep."""
+        r = await self._call("PutRecord", pb.PutRecordRequest(namespace=namespace, key=key, value=value, ttl_s=ttl_s))
+        return r.stored
+
+    async def get_record(self, namespace: str, key: str) -> bytes | None:
+        """The value, or None when unknown or expired."""
+        r = await self._call("GetRecord", pb.GetRecordRequest(namespace=namespace, key=key))
+        return r.value if r.found else None
+
     async def close(self) -> None:
         await self._channel.close()
 

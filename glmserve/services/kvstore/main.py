@@ -28,6 +28,7 @@ from glmserve.proto_gen.glmserve.kvstore.v1 import kvstore_pb2 as pb
 from glmserve.proto_gen.glmserve.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from glmserve.services.kvstore.host_tier import HostTier
 from glmserve.services.kvstore.metrics import KVStoreMetrics
+from glmserve.services.kvstore.records import MemoryRecords, Records, RedisRecords
 from glmserve.services.kvstore.redis_index import RedisBlockIndex
 from glmserve.services.kvstore.servicer import KVStoreServicer
 from glmserve.services.metrics_exposition import MetricsServer, add_process_metrics, labelled
@@ -100,6 +101,12 @@ class KVStoreConfig:
                                timeout_s=self.redis_timeout_s)
 
 
+    def build_records(self) -> Records:
+        """Client records (stored Responses): in Redis with the index, else in this process."""
+        if self.redis_url is None:
+            return MemoryRecords()
+        return RedisRecords(self.redis_url, key_prefix=self.redis_key_prefix, timeout_s=self.redis_timeout_s)
+
     def build_host_tier(self, index: BlockIndex) -> HostTier | None:
         if self.host_tier_bytes == 0:
             return None
@@ -116,7 +123,8 @@ def serve(config: KVStoreConfig, stop: threading.Event) -> None:
     metrics = KVStoreMetrics(index, host_tier=host_tier)
     add_process_metrics(metrics.registry, "kvstore")
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.threads))
-    pb_grpc.add_KVStoreServicer_to_server(KVStoreServicer(index, metrics, host_tier), server)
+    records = config.build_records()
+    pb_grpc.add_KVStoreServicer_to_server(KVStoreServicer(index, metrics, host_tier, records), server)
     probes = health.HealthServicer()  # grpc.health.v1: SERVING while this process serves
     health_pb2_grpc.add_HealthServicer_to_server(probes, server)
     for service in ("", pb.DESCRIPTOR.services_by_name["KVStore"].full_name):
@@ -149,6 +157,8 @@ def serve(config: KVStoreConfig, stop: threading.Event) -> None:
         if host_tier is not None:
             host_tier.close()
         index.close()
+        if isinstance(records, RedisRecords):
+            records.close()
         log.info("kvstore stopped")
 
 

@@ -19,6 +19,7 @@ from glmserve.proto_gen.glmserve.kvstore.v1 import kvstore_pb2 as pb
 from glmserve.proto_gen.glmserve.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from glmserve.services.kvstore.host_tier import HostTier, HostTierUnavailable
 from glmserve.services.kvstore.metrics import KVStoreMetrics
+from glmserve.services.kvstore.records import MemoryRecords, Records
 
 R = TypeVar("R")
 
@@ -56,13 +57,15 @@ def _rpc(fn: Callable[[Any, Any, grpc.ServicerContext], R]) -> Callable[[Any, An
 
 
 class KVStoreServicer(pb_grpc.KVStoreServicer):
-    """Serves one ``BlockIndex`` and, when given, a ``HostTier``; thread-safe because both are."""
+    """Serves one ``BlockIndex``, when given a ``HostTier``, and client records (in this process
+    unless ``records`` says where); thread-safe because they are."""
 
     def __init__(self, index: BlockIndex, metrics: KVStoreMetrics | None = None,
-                 host_tier: HostTier | None = None) -> None:
+                 host_tier: HostTier | None = None, records: Records | None = None) -> None:
         self.index = index
         self.metrics = metrics
         self.host_tier = host_tier
+        self.records = records if records is not None else MemoryRecords()
         self.instance_id = uuid.uuid4().hex  # a restarted kvstore is a new instance
         if metrics is not None:
             for name in dir(type(self)):
@@ -149,6 +152,19 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                        context: grpc.ServicerContext) -> pb.HostCancelLoadResponse:
         found, drained = self._host_tier().cancel_load(request.request_id, request.generation)
         return pb.HostCancelLoadResponse(found=found, drained=drained)
+
+
+    # -- client records --------------------------------------------------------------------------
+
+    @_rpc
+    def PutRecord(self, request: pb.PutRecordRequest, context: grpc.ServicerContext) -> pb.PutRecordResponse:
+        return pb.PutRecordResponse(stored=self.records.put(request.namespace, request.key, request.value,
+                                                            request.ttl_s))
+
+    @_rpc
+    def GetRecord(self, request: pb.GetRecordRequest, context: grpc.ServicerContext) -> pb.GetRecordResponse:
+        value = self.records.get(request.namespace, request.key)
+        return pb.GetRecordResponse(found=value is not None, value=value or b"")
 
 
 def _event_from_proto(i: int, event: pb.BlockEvent) -> tuple[str, str, Tier, list[bytes]]:

@@ -34,6 +34,9 @@ from glmserve.services.router.errors import (
     not_found,
     unauthorized,
 )
+from glmserve.services.router.messages_api import MessagesAPI
+from glmserve.services.router.messages_bodies import CountTokensRequest, MessagesRequest
+from glmserve.services.router.messages_output import anthropic_error
 from glmserve.services.router.metrics import RouterMetrics
 from glmserve.services.router.openai_requests import (
     Body,
@@ -45,6 +48,9 @@ from glmserve.services.router.openapi_answers import document_answers
 from glmserve.services.router.request_hints import request_hints
 from glmserve.services.router.request_id import RequestIdMiddleware
 from glmserve.services.router.request_run import RequestContext
+from glmserve.services.router.responses_api import ResponsesAPI
+from glmserve.services.router.responses_bodies import ResponsesRequest
+from glmserve.services.router.responses_store import MemoryResponseStore, ResponseStore
 from glmserve.services.router.serving import Answer, OpenAIServing
 from glmserve.services.router.tokenize_requests import DetokenizeRequest, TokenizeRequest
 from glmserve.text.tokenizer import Tokenizer
@@ -58,6 +64,9 @@ _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 BODIES: dict[str, type[BaseModel]] = {
     "/v1/chat/completions": ChatCompletionRequest,
     "/v1/completions": CompletionRequest,
+    "/v1/responses": ResponsesRequest,
+    "/v1/messages": MessagesRequest,
+    "/v1/messages/count_tokens": CountTokensRequest,
     "/tokenize": TokenizeRequest,
     "/detokenize": DetokenizeRequest,
 }
@@ -72,19 +81,26 @@ def create_app(
     max_context: int,
     admission: AdmissionConfig | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    response_store: ResponseStore | None = None,
+    separate_reasoning: bool = True,
 ) -> FastAPI:
     """An OpenAI-compatible app serving ``model_name`` through ``backend``.
 
     ``max_context``: the model's `max_position_embeddings` (prompt + max_tokens must fit).
     ``api_keys``: when non-empty, `/v1/*`, `/tokenize` and `/detokenize` need `Authorization: Bearer
-    <one of them>`; `/health`, `/ready`, `/metrics` and `/openapi.json` stay open (probes and
-    scrapers carry no keys). Every answer carries ``x-request-id`` (`request_id`).
+    <one of them>` (or `x-api-key: <it>`); `/health`, `/ready`, `/metrics` and `/openapi.json` stay
+    open (probes and scrapers carry no keys). Every answer carries ``x-request-id`` (`request_id`).
     ``admission``: the bounds of the admission queue (`AdmissionConfig`'s defaults when None).
     ``max_body_bytes``: a larger request body is refused with 413 before it is read whole.
+    ``response_store``: where ``/v1/responses`` keeps stored responses (this process when None).
+    ``separate_reasoning``: chat answers put `<think>` blocks into ``reasoning_content`` unless a
+    request says otherwise (``--reasoning-parser glm45``, the default; False: ``none``).
     The backend is started and closed by the app's lifespan.
     """
     metrics = RouterMetrics(model_name)
-    serving = OpenAIServing(backend, tokenizer, model_name, max_context, metrics, admission)
+    serving = OpenAIServing(backend, tokenizer, model_name, max_context, metrics, admission, separate_reasoning)
+    store = response_store if response_store is not None else MemoryResponseStore()
+    responses, messages = ResponsesAPI(serving, store), MessagesAPI(serving)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -95,6 +111,7 @@ def create_app(
             yield
         finally:
             await backend.close()
+            await store.close()
 
     app = FastAPI(title="glmserve router", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.metrics, app.state.backend, app.state.serving = metrics, backend, serving
@@ -104,13 +121,37 @@ def create_app(
     async def chat_completions(request: Request) -> Response:
         arrival = time.monotonic()
         body = await _parse(request, ChatCompletionRequest, max_body_bytes, metrics)
-        return _respond(request, await serving.chat(body, _context(request, body, arrival, bool(api_keys))))
+        ctx = _context(request, body.user, body.priority, arrival, bool(api_keys))
+        return _respond(request, await serving.chat(body, ctx))
 
     @app.post("/v1/completions", dependencies=[Depends(authorize)])
     async def completions(request: Request) -> Response:
         arrival = time.monotonic()
         body = await _parse(request, CompletionRequest, max_body_bytes, metrics)
-        return _respond(request, await serving.completion(body, _context(request, body, arrival, bool(api_keys))))
+        ctx = _context(request, body.user, body.priority, arrival, bool(api_keys))
+        return _respond(request, await serving.completion(body, ctx))
+
+    @app.post("/v1/responses", dependencies=[Depends(authorize)])
+    async def create_response(request: Request) -> Response:
+        arrival = time.monotonic()
+        body = await _parse(request, ResponsesRequest, max_body_bytes, metrics)
+        ctx = _context(request, body.session_user, 0, arrival, bool(api_keys))
+        return _respond(request, await responses.create(body, ctx))
+
+    @app.get("/v1/responses/{response_id}", dependencies=[Depends(authorize)])
+    async def get_response(request: Request, response_id: str) -> dict[str, Any]:
+        return await responses.get(response_id, _tenant(_presented_key(request) if api_keys else None))
+
+    @app.post("/v1/messages", dependencies=[Depends(authorize)])
+    async def create_message(request: Request) -> Response:
+        arrival = time.monotonic()
+        body = await _parse(request, MessagesRequest, max_body_bytes, metrics)
+        ctx = _context(request, body.session_user, 0, arrival, bool(api_keys))
+        return _respond(request, await messages.create(body, ctx))
+
+    @app.post("/v1/messages/count_tokens", dependencies=[Depends(authorize)])
+    async def count_message_tokens(request: Request) -> dict[str, Any]:
+        return await messages.count_tokens(await _parse(request, CountTokensRequest, max_body_bytes, metrics))
 
     @app.get("/v1/models", dependencies=[Depends(authorize)])
     async def models() -> dict[str, Any]:
@@ -167,18 +208,23 @@ def _too_large(limit: int, metrics: RouterMetrics) -> APIError:
                     "request_too_large")
 
 
-def _context(request: Request, body: Any, arrival: float, keyed: bool) -> RequestContext:
+def _context(request: Request, user: str | None, priority: int, arrival: float, keyed: bool) -> RequestContext:
+    """``user``: the body's end-user id (a session, unless ``x-session-id`` names one)."""
     # Keys configured: the authorizer already checked this one, so it names the tenant.
-    token = request.headers.get("authorization", "").partition(" ")[2].strip() if keyed else None
+    token = _presented_key(request) if keyed else None
 
     async def disconnected() -> None:
         while (await request.receive())["type"] != "http.disconnect":
             pass
 
-    hints = request_hints(request.headers, body.user, token)
-    tenant = hashlib.sha256(token.encode()).hexdigest()[:16] if token is not None else ""
-    return RequestContext(arrival, request.url.path, hints, disconnected, request.state.request_id, tenant,
-                          body.priority)
+    hints = request_hints(request.headers, user, token)
+    return RequestContext(arrival, request.url.path, hints, disconnected, request.state.request_id, _tenant(token),
+                          priority)
+
+
+def _tenant(token: str | None) -> str:
+    """Whose requests these are: a digest of the API key ("" without keys)."""
+    return hashlib.sha256(token.encode()).hexdigest()[:16] if token is not None else ""
 
 
 class _RunStream(StreamingResponse):
@@ -210,9 +256,18 @@ async def _sse(answer: Answer) -> AsyncIterator[str]:
     """Each chunk as one SSE event, then ``[DONE]`` (unless the client already left)."""
     assert answer.chunks is not None and answer.run is not None
     async for chunk in answer.chunks:
-        yield bodies.sse(chunk)
-    if not answer.run.disconnected:
+        yield bodies.named_sse(chunk) if answer.named_events else bodies.sse(chunk)
+    if not answer.run.disconnected and not answer.named_events:
         yield bodies.SSE_DONE
+
+
+def _presented_key(request: Request) -> str | None:
+    """The API key a request carries: ``Authorization: Bearer <key>``, or ``x-api-key: <key>``
+    (Anthropic's clients send that one)."""
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() == "bearer":
+        return token.strip()
+    return request.headers.get("x-api-key")
 
 
 def _authorizer(api_keys: Sequence[str]) -> Callable[[Request], None]:
@@ -221,9 +276,9 @@ def _authorizer(api_keys: Sequence[str]) -> Callable[[Request], None]:
     def authorize(request: Request) -> None:
         if not keys:
             return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        token = _presented_key(request)
         # compare_digest against every key: the time taken does not reveal which prefix matched.
-        if scheme.lower() != "bearer" or not any(hmac.compare_digest(token.strip().encode(), k) for k in keys):
+        if token is None or not any(hmac.compare_digest(token.encode(), k) for k in keys):
             raise unauthorized()
 
     return authorize
@@ -278,7 +333,9 @@ def _install_error_handlers(app: FastAPI, metrics: RouterMetrics) -> None:
         if err.status < 500:  # a refusal; no message: it may quote the request
             log.info("refused %s %s: %d %s (param %s)", request.method, request.url.path, err.status,
                      err.code or err.type, err.param)
-        return JSONResponse(err.to_dict(), status_code=err.status, headers=err.headers)
+        # Anthropic's clients read their own error shape.
+        body = anthropic_error(err) if request.url.path.startswith("/v1/messages") else err.to_dict()
+        return JSONResponse(body, status_code=err.status, headers=err.headers)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, err: APIError) -> JSONResponse:

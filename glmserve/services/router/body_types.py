@@ -4,9 +4,9 @@ accepted and ignored, as OpenAI-compatible servers do)."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, Strict
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Strict
 
 Bool = Annotated[bool, Strict()]
 Int = Annotated[int, Strict()]
@@ -18,3 +18,14 @@ class OpenBody(BaseModel):
     """Unknown fields are accepted and ignored."""
 
     model_config = ConfigDict(extra="allow")
+
+
+def by_type(default: str | None = None) -> Discriminator:
+    """A tagged union's discriminator: the member whose tag is the value's ``type`` (``default``
+    when it has none); an unknown type is a 400 listing the known ones."""
+
+    def tag(value: Any) -> str:
+        kind = value.get("type", default) if isinstance(value, dict) else getattr(value, "type", default)
+        return kind if isinstance(kind, str) else "?"
+
+    return Discriminator(tag)

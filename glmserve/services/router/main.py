@@ -1,8 +1,10 @@
 """The router process: ``python -m glmserve.services.router.main --model DIR --host H --port P
 --decode host:port[,host:port...] --prefill host:port[,...] [--kvstore host:port] [--api-key K ...]``.
 
-Serves the OpenAI API (`app.create_app`) over a `DisaggregatedBackend`. The tokenizer, chat
-template and context length come from ``--model`` (no weights are read; torch is never imported).
+Serves the OpenAI API (`app.create_app`) over a `DisaggregatedBackend`; with ``--kvstore``, the
+stored responses of ``/v1/responses`` live in the kvstore (so every router replica reads them).
+The tokenizer, chat template and context length come from ``--model`` (no weights are read; torch
+is never imported).
 ``--port 0`` takes a free port. Prints ``READY http://host:port`` on stdout once it accepts HTTP
 (``/ready`` turns 200 when a prefill and a decode worker answer Health).
 
@@ -33,8 +35,10 @@ import uvicorn
 
 from glmserve.services.router.admission import AdmissionConfig
 from glmserve.services.router.app import DEFAULT_MAX_BODY_BYTES, create_app
+from glmserve.services.router.chat_output import REASONING_PARSERS
 from glmserve.services.router.grpc_backend import DisaggregatedBackend
 from glmserve.services.router.prefill_routing import POLICIES, RoutingConfig
+from glmserve.services.router.responses_store import KVStoreResponseStore
 from glmserve.services.router.worker_pool import check_address
 from glmserve.services.tracing import Tracing
 from glmserve.text.tokenizer import Tokenizer
@@ -62,6 +66,7 @@ class RouterConfig:
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     drain_timeout_s: float = 30.0  # on SIGTERM, how long running requests may finish
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies get 413
+    reasoning_parser: str = "glm45"  # "none": reasoning stays in the content unless a request asks
     migration_limit: int = 3  # a stream resumes on another decode worker at most this often (0: never)
 
     def __post_init__(self) -> None:
@@ -83,6 +88,8 @@ class RouterConfig:
             raise ValueError(f"migration_limit: must be >= 0, got {self.migration_limit}")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes: must be >= 1024, got {self.max_body_bytes}")
+        if self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser: must be one of {REASONING_PARSERS}, got {self.reasoning_parser!r}")
 
     @classmethod
     def from_args(cls, argv: Sequence[str] | None = None) -> RouterConfig:
@@ -120,6 +127,9 @@ class RouterConfig:
                        help="on SIGTERM, how long running requests may finish before they are ended")
         p.add_argument("--max-body-bytes", type=int, default=cls.max_body_bytes,
                        help="larger request bodies are refused with 413 before they are read")
+        p.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=cls.reasoning_parser,
+                       help="glm45: chat answers carry <think> blocks as reasoning_content (a request's "
+                            "separate_reasoning overrides); none: they stay in the content")
         p.add_argument("--migration-limit", type=int, default=cls.migration_limit,
                        help="how often a stream whose decode worker died may resume on another one "
                        "(0: never; the stream then ends with an error event)")
@@ -132,7 +142,7 @@ class RouterConfig:
         return cls(a.model, tuple(a.decode), tuple(a.prefill), a.host, a.port, a.kvstore,
                    tuple(a.api_keys), a.served_model_name, a.poll_interval_s, routing=routing,
                    admission=admission, drain_timeout_s=a.drain_timeout_s, max_body_bytes=a.max_body_bytes,
-                   migration_limit=a.migration_limit)
+                   reasoning_parser=a.reasoning_parser, migration_limit=a.migration_limit)
 
 
 class _Server(uvicorn.Server):
@@ -192,7 +202,10 @@ async def serve(config: RouterConfig) -> bool:
     app = create_app(backend, tokenizer, model_name=config.served_model_name or config.model.name,
                      api_keys=list(config.api_keys) or None,
                      max_context=model_config["max_position_embeddings"], admission=config.admission,
-                     max_body_bytes=config.max_body_bytes)
+                     max_body_bytes=config.max_body_bytes,
+                     # Stored responses where every replica reads them (else in this process).
+                     response_store=KVStoreResponseStore(config.kvstore) if config.kvstore else None,
+                     separate_reasoning=config.reasoning_parser != "none")
     sock = _bind(config.host, config.port)
     port = sock.getsockname()[1]
     async def drain() -> None:

@@ -15,7 +15,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 
 from glmserve.services.metrics_exposition import add_process_metrics, labelled, render
 
-ENDPOINTS = {"/v1/chat/completions": "chat_completions", "/v1/completions": "completions", "/v1/models": "models"}
+ENDPOINTS = {"/v1/chat/completions": "chat_completions", "/v1/completions": "completions", "/v1/models": "models",
+             "/v1/responses": "responses", "/v1/messages": "messages"}
 FINISH_REASONS = ("stop", "length")
 # Statuses every generating endpoint exports from the start: a counter series born at its first
 # increment has no rate() for that increment (a burst of 503s would never show).

@@ -80,11 +80,13 @@ class ChatMessage(OpenBody):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Str | list[TextPart] | None = None
     tool_calls: list[ToolCall] | None = None
+    reasoning_content: Str | None = None  # an earlier answer's reasoning (the template decides its use)
 
     @model_validator(mode="after")
     def _content_or_calls(self) -> ChatMessage:
-        if self.tool_calls is not None and self.role != "assistant":
-            raise ValueError("tool_calls: only on assistant messages")
+        for name in ("tool_calls", "reasoning_content"):
+            if getattr(self, name) is not None and self.role != "assistant":
+                raise ValueError(f"{name}: only on assistant messages")
         if self.content is None and not (self.role == "assistant" and self.tool_calls):
             raise ValueError(f"content: required for role {self.role!r}")
         return self
@@ -225,6 +227,8 @@ class ChatCompletionRequest(GenerationBody):
     parallel_tool_calls: Bool = True
     logprobs: Bool = False
     top_logprobs: Annotated[int, Strict(), Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM / SGLang extension, e.g. enable_thinking
+    separate_reasoning: Bool | None = None  # SGLang extension; None: the router's --reasoning-parser
 
     @model_validator(mode="after")
     def _consistent(self) -> ChatCompletionRequest:
@@ -316,8 +320,11 @@ def parse_body(model: type[Body], raw: bytes) -> Body:
 
 
 def _bad_request(error: ValidationError) -> APIError:
-    first = error.errors(include_url=False)[0]
-    loc = [str(part) for part in first["loc"]]
+    errors = error.errors(include_url=False)
+    # Of the first field's errors, the deepest: for a union (`content`: a string or parts) the
+    # part that is wrong, not "should be a string".
+    first = max((e for e in errors if e["loc"][:1] == errors[0]["loc"][:1]), key=lambda e: len(e["loc"]))
+    loc = [str(part) for part in first["loc"] if not _is_branch(part)]
     if first["type"] == "json_invalid":
         return invalid_request(f"The request body is not valid JSON: {first['msg']}")
     if first["type"] == "model_type" and not loc:
@@ -327,3 +334,8 @@ def _bad_request(error: ValidationError) -> APIError:
         return invalid_request(f"{'.'.join(loc)}: {message}", loc[0])
     return from_value_error(ValueError(message))  # a cross-field check: "<field>: ..."
 
+
+
+def _is_branch(part: Any) -> bool:
+    """A union member's label in an error location (``str``, ``list[...]``), not a field."""
+    return isinstance(part, str) and ("[" in part or part in ("str", "int", "float", "bool", "dict", "list"))

@@ -211,3 +211,37 @@ class HostCancelLoadResponse(_message.Message):
     found: bool
     drained: bool
     def __init__(self, found: _Optional[bool] = ..., drained: _Optional[bool] = ...) -> None: ...
+
+class PutRecordRequest(_message.Message):
+    __slots__ = ("namespace", "key", "value", "ttl_s")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    key: str
+    value: bytes
+    ttl_s: float
+    def __init__(self, namespace: _Optional[str] = ..., key: _Optional[str] = ..., value: _Optional[bytes] = ..., ttl_s: _Optional[float] = ...) -> None: ...
+
+class PutRecordResponse(_message.Message):
+    __slots__ = ("stored",)
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    stored: bool
+    def __init__(self, stored: _Optional[bool] = ...) -> None: ...
+
+class GetRecordRequest(_message.Message):
+    __slots__ = ("namespace", "key")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    key: str
+    def __init__(self, namespace: _Optional[str] = ..., key: _Optional[str] = ...) -> None: ...
+
+class GetRecordResponse(_message.Message):
+    __slots__ = ("found", "value")
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    value: bytes
+    def __init__(self, found: _Optional[bool] = ..., value: _Optional[bytes] = ...) -> None: ...

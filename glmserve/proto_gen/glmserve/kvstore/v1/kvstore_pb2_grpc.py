@@ -87,6 +87,16 @@ class KVStoreStub:
                 request_serializer=glmserve_dot_kvstore_dot_v1_dot_kvstore__pb2.HostCancelLoadRequest.SerializeToString,
                 response_deserializer=glmserve_dot_kvstore_dot_v1_dot_kvstore__pb2.HostCancelLoadResponse.FromString,
                 _registered_method=True)
+        self.PutRecord = channel.unary_unary(
+                '/glmserve.kvstore.v1.KVStore/PutRecord',
+                request_serializer=glmserve_dot_kvstore_dot_v1_dot_kvstore__pb2.PutRecordRequest.SerializeToString,
+                response_deserializer=glmserve_dot_kvstore_dot_v1_dot_kvstore__pb2.PutRecordResponse.FromString,
+                _registered_method=True)
+        self.GetRecord = channel.unary_unary(
+                '/glmserve.kvstore.v1.KVStore/GetRecord',
+                request_serializer=glmserve_dot_kvstore_dot_v1_dot_kvstore__pb2.GetRecordRequest.SerializeToString,
+                response_deserializer=glmserve_dot_kvstore_dot_v1_dot_kvstore__pb2.GetRecordResponse.FromString,
+                _registered_method=True)
 
 
 class KVStoreServicer:
@@ -167,6 +177,21 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PutRecord(self, request, context):
+        """Records kept for clients, so every router replica reads the same ones (stored Responses of
+        /v1/responses): bytes under (namespace, key) until ttl_s passed, in this process's memory
+        (bounded: the oldest go first) or in Redis. UNAVAILABLE while Redis cannot be reached.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetRecord(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -219,6 +244,16 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.HostCancelLoad,
                     request_deserializer=glmserve_dot_kvstore_dot_v1_dot_kvstore__pb2.HostCancelLoadRequest.FromString,
                     response_serializer=glmserve_dot_kvstore_dot_v1_dot_kvstore__pb2.HostCancelLoadResponse.SerializeToString,
+            ),
+            'PutRecord': grpc.unary_unary_rpc_method_handler(
+                    servicer.PutRecord,
+                    request_deserializer=glmserve_dot_kvstore_dot_v1_dot_kvstore__pb2.PutRecordRequest.FromString,
+                    response_serializer=glmserve_dot_kvstore_dot_v1_dot_kvstore__pb2.PutRecordResponse.SerializeToString,
+            ),
+            'GetRecord': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetRecord,
+                    request_deserializer=glmserve_dot_kvstore_dot_v1_dot_kvstore__pb2.GetRecordRequest.FromString,
+                    response_serializer=glmserve_dot_kvstore_dot_v1_dot_kvstore__pb2.GetRecordResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -493,6 +528,60 @@ class KVStore:
             '/glmserve.kvstore.v1.KVStore/HostCancelLoad',
             glmserve_dot_kvstore_dot_v1_dot_kvstore__pb2.HostCancelLoadRequest.SerializeToString,
             glmserve_dot_kvstore_dot_v1_dot_kvstore__pb2.HostCancelLoadResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PutRecord(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/glmserve.kvstore.v1.KVStore/PutRecord',
+            glmserve_dot_kvstore_dot_v1_dot_kvstore__pb2.PutRecordRequest.SerializeToString,
+            glmserve_dot_kvstore_dot_v1_dot_kvstore__pb2.PutRecordResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetRecord(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/glmserve.kvstore.v1.KVStore/GetRecord',
+            glmserve_dot_kvstore_dot_v1_dot_kvstore__pb2.GetRecordRequest.SerializeToString,
+            glmserve_dot_kvstore_dot_v1_dot_kvstore__pb2.GetRecordResponse.FromString,
             options,
             channel_credentials,
             insecure,
