@@ -21,6 +21,11 @@ ERROR_SCHEMA: dict[str, Any] = {
         },
     }},
 }
+SSE_EVENT: dict[str, Any] = {  # one event of a streamed answer (its data: a JSON chunk, or [DONE])
+    "type": "object",
+    "required": ["data"],
+    "properties": {"data": {"type": "string"}, "event": {"type": "string"}},
+}
 _RETRY_AFTER = {"Retry-After": {"description": "seconds to wait before trying again",
                                 "schema": {"type": "string"}}}
 _WHY = {
@@ -46,7 +51,7 @@ def document_answers(schema: dict[str, Any], generation_paths: set[str]) -> None
             if path in generation_paths:
                 statuses = GENERATION_ERRORS
                 ok = responses.setdefault("200", {"description": "Successful Response"})
-                ok.setdefault("content", {}).setdefault("text/event-stream", {"schema": {"type": "string"}})
+                ok.setdefault("content", {}).setdefault("text/event-stream", {"schema": SSE_EVENT})
             elif path in ("/tokenize", "/detokenize"):
                 statuses = TOKENIZER_ERRORS
             elif path.startswith("/v1/"):
