@@ -132,6 +132,11 @@ def test_streamed_function_call_events(client):
     assert json.loads(pieces) == {"path": "a.py"} and done[0].arguments == pieces
     final = events[-1]
     assert final.type == "response.completed" and [i.type for i in final.response.output] == ["message", "function_call"]
+    with client.responses.stream(model=MODEL, input="SCRIPT-CALL", tools=[TOOL]) as stream:  # the SDK's accumulator
+        snapshot = stream.get_final_response()
+    assert [(i.type, getattr(i, "arguments", None)) for i in snapshot.output] == [
+        ("message", None), ("function_call", pieces)]
+    assert snapshot.output_text == "Let me look."
     forced = client.responses.create(model=MODEL, input="SCRIPT-CALL", tools=[TOOL],
                                      tool_choice={"type": "function", "name": "read_file"})
     assert forced.output[-1].type == "function_call"
