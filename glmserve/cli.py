@@ -39,6 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", action="append", default=[], help="require this key (repeatable)")
     serve.add_argument("--mtp", default="auto", help="number of MTP drafts, 'auto' or 'off'")
+    serve.add_argument("--reasoning-parser", choices=["glm45", "none"], default="glm45",
+                       help="glm45: chat answers carry <think> blocks as reasoning_content; none: in the content")
     launch = sub.add_parser("serve", help="router, prefill and decode workers and kvstore as separate processes")
     _model_arg(launch)
     from glmserve.commands.serve import add_serve_args  # the launcher owns its flags

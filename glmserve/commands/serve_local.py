@@ -28,6 +28,7 @@ def run_serve_local(args: argparse.Namespace) -> int:
         model_name=args.model.name,
         api_keys=args.api_key or None,
         max_context=config["max_position_embeddings"],
+        separate_reasoning=args.reasoning_parser != "none",
     )
     print(f"glmserve: serving {args.model.name} at http://{args.host}:{args.port}/v1", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")

@@ -73,17 +73,27 @@ def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+RESERVED_TEMPLATE_NAMES = frozenset({"messages", "tools", "add_generation_prompt", "raise_exception"})
+
+
 def render_chat(
     messages: list[dict[str, Any]],
     tools: list[dict[str, Any]] | None = None,
     add_generation_prompt: bool = True,
     template: str = CHAT_TEMPLATE,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> str:
-    """Render a chat to the prompt text. Raises ValueError on malformed messages or tools."""
+    """Render a chat to the prompt text; ``template_kwargs`` (OpenAI-compatible servers'
+    ``chat_template_kwargs``, e.g. ``enable_thinking``) become template variables. Raises
+    ValueError on malformed messages or tools, or a kwarg naming a variable the renderer sets."""
     if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
         raise ValueError("tools must be a list of objects")
+    reserved = sorted(RESERVED_TEMPLATE_NAMES & set(template_kwargs or {}))
+    if reserved:
+        raise ValueError(f"chat_template_kwargs: {reserved[0]!r} is set by the server")
     try:
         return compile_chat_template(template).render(
+            **(template_kwargs or {}),
             messages=normalize_messages(messages),
             tools=tools or None,
             add_generation_prompt=add_generation_prompt,

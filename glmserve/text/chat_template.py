@@ -10,7 +10,14 @@ Layout (GLM-4.5/4.6 style):
 An assistant turn has no closing token: the next role token (or `<|endoftext|>` at the end of a
 training document) ends it, which is why those are the eos ids (see `special_tokens.EOS_TOKENS`).
 Consecutive tool results share one `<|observation|>`. String argument values are written as-is,
-all others as JSON, so the parser can restore their types. Every piece of output is an explicit
+all others as JSON, so the parser can restore their types.
+
+Reasoning (GLM style): an assistant turn after the last user message renders its
+`reasoning_content` as `<think>{reasoning}</think>\n` before its content (earlier turns drop it,
+as GLM's template does: the model reasons afresh for each user message). `enable_thinking` (a
+`chat_template_kwargs` key) shapes the generation prompt: false appends `<think></think>\n` (the
+block is closed, the answer comes at once), true appends `<think>` (the output starts inside
+reasoning); unset appends nothing (the model decides; glm52-tiny was trained that way). Every piece of output is an explicit
 `{{- ... -}}` expression so the result does not depend on jinja's whitespace options.
 """
 
@@ -39,13 +46,19 @@ CHAT_TEMPLATE = r"""{#- glm52-tiny chat template (GLM style) -#}
 {{- '</tools>\n\nFor each function call, output the function name and arguments in this format:\n' -}}
 {{- '<tool_call>{function-name}<arg_key>{arg-key-1}</arg_key><arg_value>{arg-value-1}</arg_value>...</tool_call>' -}}
 {%- endif -%}
+{%- set ns = namespace(last_user=-1) -%}
+{%- for m in messages -%}{%- if m.role == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}{%- endfor -%}
 {%- for m in messages -%}
 {%- if m.role == 'system' -%}
 {{- '<|system|>\n' + text(m.content) -}}
 {%- elif m.role == 'user' -%}
 {{- '<|user|>\n' + text(m.content) -}}
 {%- elif m.role == 'assistant' -%}
-{{- '<|assistant|>\n' + text(m.content) -}}
+{{- '<|assistant|>\n' -}}
+{%- if m.reasoning_content is string and m.reasoning_content | trim and loop.index0 > ns.last_user -%}
+{{- '<think>' + m.reasoning_content | trim + '</think>\n' -}}
+{%- endif -%}
+{{- text(m.content) -}}
 {%- for tc in m.tool_calls or [] -%}
 {%- set fn = tc.function if tc.function is defined else tc -%}
 {{- '<tool_call>' + fn.name -}}
@@ -65,5 +78,10 @@ CHAT_TEMPLATE = r"""{#- glm52-tiny chat template (GLM style) -#}
 {{- raise_exception('unknown message role: ' + m.role | string) -}}
 {%- endif -%}
 {%- endfor -%}
-{%- if add_generation_prompt -%}{{- '<|assistant|>\n' -}}{%- endif -%}
+{%- if add_generation_prompt -%}
+{{- '<|assistant|>\n' -}}
+{%- if enable_thinking is defined and enable_thinking is not none -%}
+{{- '<think>' if enable_thinking else '<think></think>\n' -}}
+{%- endif -%}
+{%- endif -%}
 """

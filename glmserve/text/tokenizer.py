@@ -86,18 +86,20 @@ class Tokenizer:
         messages: list[dict[str, Any]],
         tools: list[dict[str, Any]] | None = None,
         add_generation_prompt: bool = True,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> str:
         if not self.chat_template:
             raise ValueError(f"tokenizer has no chat template ({CHAT_TEMPLATE_FILE} missing)")
-        return render_chat(messages, tools, add_generation_prompt, template=self.chat_template)
+        return render_chat(messages, tools, add_generation_prompt, self.chat_template, template_kwargs)
 
     def apply_chat_template(
         self,
         messages: list[dict[str, Any]],
         tools: list[dict[str, Any]] | None = None,
         add_generation_prompt: bool = True,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
-        return self.encode(self.render_chat(messages, tools, add_generation_prompt))
+        return self.encode(self.render_chat(messages, tools, add_generation_prompt, template_kwargs))
 
     @cached_property
     def _token_bytes(self) -> list[bytes]:

@@ -4,16 +4,24 @@ Format: `<tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value>...</tool_ca
 whitespace between the parts. Rules, shared by the streaming and the one-shot parser (the one-shot
 parser is the streaming one fed a single delta, so both always agree):
 
-- A call is reported only once its `</tool_call>` has arrived and the body is well formed; a name
-  streamed early could not be taken back if the body then turned out malformed.
-- Anything malformed (unclosed call, missing name, stray tags, a new `<tool_call>` before the
-  previous one closed) stays content, character for character.
-- Whitespace that only separates valid calls from content or from each other is dropped.
-- A trailing partial `<tool_call` is held back while it could still become the tag, and flushed
-  as content by `finish()` if it never does.
+- A call streams in pieces, as vLLM streams them: its first delta carries the index, id and name
+  (``arguments`` ""), then each key/value pair adds its piece of the arguments JSON (`{"k": v`,
+  `, "k2": v2`) once its `</arg_value>` has arrived, and `</tool_call>` adds the closing `}` (or
+  `{}`). The pieces always add up to ``json.dumps(arguments)``.
+- A call commits (its first delta goes out) only once its name is followed by a complete,
+  well-formed pair or by `</tool_call>`; before that, anything malformed (no name, a name with a
+  space, a stray tag, a value without tags, a new `<tool_call>`) makes the whole block content,
+  character for character, up to its `</tool_call>` (or the new `<tool_call>`, or the end).
+- A committed call cannot be taken back: if its body breaks later (a malformed or repeated pair, a
+  new `<tool_call>`) or the output ends first, the call ends there with the pairs it has, and the
+  text from the break on is read again as output (content, or a new call); nothing is lost.
+- Text is never streamed as content while it could still turn out to be part of a call: a
+  trailing partial `<tool_call` is held back while it could still become the tag, and flushed as
+  content by `finish()` if it never does.
+- Whitespace that only separates calls from content or from each other is dropped.
 - Values: parsed as JSON (number, bool, null, object, array) unless the tool's schema says the
   parameter is a string or the value is not JSON; otherwise the raw string. A value cannot contain
-  the literal `</arg_value>` or `</tool_call>`.
+  the literal `</arg_value>`, `<tool_call>` or `</tool_call>`.
 - ``strip_values``: whitespace around each value is dropped (as GLM's reference parsers in vLLM
   and SGLang do). The router sets it for calls a grammar constrained: xgrammar's GLM grammar allows
   a whitespace around a value as formatting, which must not become part of a string (an enum
@@ -30,10 +38,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from glmserve.text.special_tokens import TOOL_CALL_END, TOOL_CALL_START
+from glmserve.text.special_tokens import TOOL_CALL_END, TOOL_CALL_START, partial_tag_len
+from glmserve.text.tool_call_values import coerce_value, tool_properties
 
 _NAME = re.compile(r"\s*([^\s<>]+)\s*")
-_ARG = re.compile(r"<arg_key>([^<]*)</arg_key>\s*<arg_value>(.*?)</arg_value>\s*", re.S)
 
 CallIdFactory = Callable[[int], str]
 
@@ -51,76 +59,21 @@ class ParsedOutput:
 
 @dataclass
 class StreamDelta:
-    """What one `feed` produced: a content delta and finished calls in OpenAI streaming shape."""
+    """What one `feed` produced: a content delta and call deltas in OpenAI streaming shape (at most
+    one per call, each with its ``index``)."""
 
     content: str = ""
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
 
 
-def tool_properties(tools: list[dict[str, Any]] | None) -> dict[str, dict[str, Any]]:
-    """Map tool name -> JSON-schema `properties` of its parameters (OpenAI or bare function format)."""
-    out: dict[str, dict[str, Any]] = {}
-    for tool in tools or []:
-        fn = tool.get("function", tool) if isinstance(tool, dict) else {}
-        props = (fn.get("parameters") or {}).get("properties") or {}
-        if isinstance(fn.get("name"), str) and isinstance(props, dict):
-            out[fn["name"]] = props
-    return out
+_KEY_START, _KEY_END = "<arg_key>", "</arg_key>"
+_VALUE_START, _VALUE_END = "<arg_value>", "</arg_value>"
+_WAIT, _BROKEN = "wait", "broken"  # what `_pair` says besides a complete pair
 
 
-def _is_string_param(schema: Any) -> bool:
-    if not isinstance(schema, dict):
-        return False
-    t = schema.get("type")
-    if t == "string" or (isinstance(t, list) and "string" in t):
-        return True
-    enum = schema.get("enum")
-    return t is None and isinstance(enum, list) and bool(enum) and all(isinstance(e, str) for e in enum)
-
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")  # NaN/Infinity would not survive json.dumps as valid JSON
-
-
-def coerce_value(raw: str, schema: Any = None) -> Any:
-    """The typed value of an `<arg_value>`: parsed JSON unless the schema wants a string."""
-    if _is_string_param(schema):
-        return raw
-    try:
-        value = json.loads(raw, parse_constant=_reject_constant)
-    except ValueError:
-        return raw
-    return raw if isinstance(value, str) else value  # a quoted string stays as written
-
-
-def parse_call_body(
-    body: str, properties: dict[str, dict[str, Any]], strip_values: bool = False
-) -> tuple[str, dict[str, Any]] | None:
-    """Name and arguments of the text between `<tool_call>` and `</tool_call>`; None if malformed."""
-    m = _NAME.match(body)
-    if m is None:
-        return None
-    name, pos, args = m.group(1), m.end(), {}
-    schema = properties.get(name, {})
-    while pos < len(body):
-        a = _ARG.match(body, pos)
-        if a is None:
-            return None
-        key = a.group(1).strip()
-        if not key:
-            return None
-        value = a.group(2).strip() if strip_values else a.group(2)
-        args[key] = coerce_value(value, schema.get(key))
-        pos = a.end()
-    return name, args
-
-
-def _held_prefix_len(text: str, tag: str) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of `tag`."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
-    return 0
+def _could_become(text: str, *tags: str) -> bool:
+    """``text`` is a proper prefix of one of ``tags`` (the rest may still arrive)."""
+    return any(len(text) < len(t) and t.startswith(text) for t in tags)
 
 
 class ToolCallStreamParser:
@@ -133,7 +86,11 @@ class ToolCallStreamParser:
         self._call_id = call_id
         self._buf = ""  # text not yet classified: a held `<tool_call` prefix, or an open call
         self._inside = False  # `_buf` starts with `<tool_call>`
-        self._scanned = 0  # inside: tags cannot start before this offset of `_buf` (avoids rescans)
+        self._name: str | None = None  # inside: the open call's name, once it streams (committed)
+        self._pos = 0  # committed: where the next pair starts in `_buf`
+        self._keys: set[str] = set()  # committed: the argument keys so far
+        self._scanned = 0  # inside, not committed, broken: no tag ends before this offset of `_buf`
+        self._broken = False  # inside, not committed: the block is not a call (it stays content)
         self._ws = ""  # trailing whitespace of content, dropped if a valid call follows
         self._after_call = False  # nothing but whitespace since the last valid call
         self._index = 0
@@ -145,7 +102,11 @@ class ToolCallStreamParser:
         return self._take()
 
     def finish(self) -> StreamDelta:
-        self._emit_text(self._buf)  # an unclosed call or a partial tag is plain content
+        if self._name is not None:
+            rest = self._buf[self._pos :]
+            self._close()  # a call cut short keeps its complete arguments; the partial pair is text
+            self._buf = rest
+        self._emit_text(self._buf)  # an uncommitted call or a partial tag is plain content
         self._buf, self._inside = "", False
         if not self._after_call:
             self._out.content += self._ws
@@ -164,47 +125,159 @@ class ToolCallStreamParser:
         self._ws += text[len(body) :]
 
     def _advance(self) -> None:
-        start, end = TOOL_CALL_START, TOOL_CALL_END
         while True:
             if not self._inside:
-                i = self._buf.find(start)
+                i = self._buf.find(TOOL_CALL_START)
                 if i < 0:
-                    keep = _held_prefix_len(self._buf, start)
+                    keep = partial_tag_len(self._buf, TOOL_CALL_START)
                     self._emit_text(self._buf[: len(self._buf) - keep])
                     self._buf = self._buf[len(self._buf) - keep :]
                     return
                 self._emit_text(self._buf[:i])
-                self._buf, self._inside, self._scanned = self._buf[i:], True, len(start)
-                continue
-            j_end = self._buf.find(end, self._scanned)
-            j_new = self._buf.find(start, self._scanned)
-            if 0 <= j_new and (j_end < 0 or j_new < j_end):
-                # A new call opened before this one closed: this one was not a call.
-                self._emit_text(self._buf[:j_new])
-                self._buf, self._scanned = self._buf[j_new:], len(start)
-                continue
-            if j_end < 0:
-                self._scanned = max(len(start), len(self._buf) - max(len(start), len(end)) + 1)
+                self._buf, self._inside, self._broken = self._buf[i:], True, False
+                self._scanned = len(TOOL_CALL_START)
+            elif self._broken:
+                if not self._skip_broken():
+                    return
+            elif self._name is None:
+                if not self._open():
+                    return
+            elif not self._next_pair():
                 return
-            self._close_call(self._buf[: j_end + len(end)])
-            self._buf, self._inside = self._buf[j_end + len(end) :], False
 
-    def _close_call(self, block: str) -> None:
-        parsed = parse_call_body(block[len(TOOL_CALL_START) : -len(TOOL_CALL_END)], self._props, self._strip)
-        if parsed is None:
-            self._emit_text(block)
-            return
-        name, args = parsed
-        self._out.tool_calls.append(
-            {
-                "index": self._index,
-                "id": self._call_id(self._index),
-                "type": "function",
-                "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)},
-            }
-        )
+    def _skip_broken(self) -> bool:
+        """A block that is not a call is content up to its `</tool_call>` or a new `<tool_call>`."""
+        j_end = self._buf.find(TOOL_CALL_END, self._scanned)
+        j_new = self._buf.find(TOOL_CALL_START, self._scanned)
+        if 0 <= j_new and (j_end < 0 or j_new < j_end):
+            self._emit_text(self._buf[:j_new])
+            self._buf, self._broken, self._scanned = self._buf[j_new:], False, len(TOOL_CALL_START)
+            return True
+        if j_end < 0:
+            self._scanned = max(self._scanned, len(self._buf) - len(TOOL_CALL_END) + 1)  # the longer tag
+            return False
+        self._emit_text(self._buf[: j_end + len(TOOL_CALL_END)])
+        self._buf, self._inside, self._broken = self._buf[j_end + len(TOOL_CALL_END) :], False, False
+        return True
+
+    def _open(self) -> bool:
+        """Before the call streams: its name, then the first complete pair or the close commits it."""
+        m = _NAME.match(self._buf, len(TOOL_CALL_START))
+        if m is None:
+            if self._buf[len(TOOL_CALL_START) :].strip() == "":
+                return False  # nothing but whitespace yet
+            self._broken = True  # no name
+            return True
+        pos = m.end()
+        rest = self._buf[pos:]
+        if not rest:
+            return False  # the name (or the whitespace after it) may go on
+        if rest.startswith(TOOL_CALL_END):
+            self._commit(m.group(1), pos)
+            return True
+        if _could_become(rest, TOOL_CALL_END, _KEY_START):
+            return False
+        if not rest.startswith(_KEY_START):
+            self._broken = True
+            return True
+        pair = self._pair(pos)
+        if pair == _WAIT:
+            return False
+        if pair == _BROKEN:
+            self._broken = True
+            return True
+        self._commit(m.group(1), pos)
+        return True
+
+    def _commit(self, name: str, pos: int) -> None:
+        self._ws, self._after_call = "", True  # whitespace before a call is not content
+        self._name, self._pos, self._keys = name, pos, set()
+        self._out.tool_calls.append({"index": self._index, "id": self._call_id(self._index), "type": "function",
+                                     "function": {"name": name, "arguments": ""}})
+
+    def _next_pair(self) -> bool:
+        """Committed: stream the next complete pair, close at `</tool_call>`; a break ends the call
+        with what it has, and the text from the break on is read again as output."""
+        rest = self._buf[self._pos :].lstrip()
+        at = len(self._buf) - len(rest)
+        if rest.startswith(TOOL_CALL_END):
+            self._close()
+            self._buf = self._buf[at + len(TOOL_CALL_END) :]
+            return True
+        if not rest or _could_become(rest, TOOL_CALL_END, _KEY_START):
+            return False
+        pair = self._pair(at) if rest.startswith(_KEY_START) else _BROKEN
+        if pair == _WAIT:
+            return False
+        if pair == _BROKEN or pair[0] in self._keys:
+            self._close()
+            self._buf = self._buf[at:]
+            return True
+        key, value, end = pair
+        self._keys.add(key)
+        schema = self._props.get(self._name, {}).get(key)
+        piece = json.dumps(key, ensure_ascii=False) + ": " + json.dumps(coerce_value(value, schema), ensure_ascii=False)
+        self._arguments(("{" if len(self._keys) == 1 else ", ") + piece)
+        self._pos = end
+        return True
+
+    def _pair(self, at: int) -> tuple[str, str, int] | str:
+        """The `<arg_key>K</arg_key><arg_value>V</arg_value>` at ``at``: (key, value, end), or
+        `_WAIT` (it may still complete), or `_BROKEN`."""
+        buf = self._buf
+        k = at + len(_KEY_START)
+        k_end = buf.find(_KEY_END, k)
+        if k_end < 0:
+            tail = buf[k:]
+            return _WAIT if "<" not in tail[: len(tail) - partial_tag_len(tail, _KEY_END)] else _BROKEN
+        key = buf[k:k_end]
+        if "<" in key or not key.strip():
+            return _BROKEN
+        v = k_end + len(_KEY_END)
+        between = buf[v:]
+        gap = between.lstrip()
+        v += len(between) - len(gap)
+        if not gap or _could_become(gap, _VALUE_START):
+            return _WAIT
+        if not gap.startswith(_VALUE_START):
+            return _BROKEN
+        v += len(_VALUE_START)
+        v_end = buf.find(_VALUE_END, v)
+        body = buf[v:] if v_end < 0 else buf[v:v_end]
+        if TOOL_CALL_START in body or TOOL_CALL_END in body:
+            return _BROKEN
+        if v_end < 0:
+            return _WAIT
+        value = body.strip() if self._strip else body
+        return key.strip(), value, v_end + len(_VALUE_END)
+
+    def _arguments(self, piece: str) -> None:
+        last = self._out.tool_calls[-1] if self._out.tool_calls else None
+        if last is not None and last["index"] == self._index:
+            last["function"]["arguments"] += piece
+        else:
+            self._out.tool_calls.append({"index": self._index, "function": {"arguments": piece}})
+
+    def _close(self) -> None:
+        self._arguments("}" if self._keys else "{}")
         self._index += 1
+        self._name, self._inside, self._pos = None, False, 0
         self._ws, self._after_call = "", True
+
+
+def merge_call_deltas(deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Streamed call deltas (OpenAI shape, each with ``index``) merged into whole calls, in index
+    order, without ``index``: the first delta of a call has its id, type and name, and every
+    delta's ``function.arguments`` is the next piece of the arguments."""
+    calls: dict[int, dict[str, Any]] = {}
+    for d in deltas:
+        call = calls.setdefault(d["index"], {"id": None, "type": "function", "function": {"name": "", "arguments": ""}})
+        if d.get("id"):
+            call["id"] = d["id"]
+        fn = d.get("function") or {}
+        call["function"]["name"] += fn.get("name") or ""
+        call["function"]["arguments"] += fn.get("arguments") or ""
+    return [calls[i] for i in sorted(calls)]
 
 
 def parse_tool_calls(
@@ -214,5 +287,4 @@ def parse_tool_calls(
     """One-shot parse of a finished generation into content and OpenAI `tool_calls`."""
     parser = ToolCallStreamParser(tools, call_id, strip_values)
     first, last = parser.feed(text), parser.finish()
-    calls = [{k: v for k, v in c.items() if k != "index"} for c in first.tool_calls + last.tool_calls]
-    return ParsedOutput(content=first.content + last.content, tool_calls=calls)
+    return ParsedOutput(first.content + last.content, merge_call_deltas(first.tool_calls + last.tool_calls))

@@ -1,6 +1,7 @@
 """Grammar-constrained decoding in the engine: greedy output with a grammar equals a plain greedy
 decoder that masks each step by a fresh matcher, with and without MTP drafts, batched with free
-requests, under preemption and across prefill -> decode; sampled output always parses."""
+requests, under preemption and across prefill -> decode; reasoning before the grammar is the
+unconstrained greedy path up to `</think>`; sampled output always parses."""
 
 from __future__ import annotations
 
@@ -103,6 +104,54 @@ def test_greedy_with_grammar_equals_plain_masked_greedy(model, tokenizer, cache,
     if mtp != "off":
         assert engine.stats.draft_tokens > 0
     assert sum(r.finish_reason == "stop" for r, n in zip(reqs, names, strict=True) if n) >= 2
+
+
+THINK_BIAS = 2.25  # on `</think>`: the random model then closes its reasoning after 9 and 12 tokens
+REASONING_SPEC = SPECS["schema"].with_reasoning("enabled")
+
+
+@pytest.fixture(scope="module")
+def reasoning_refs(model, tokenizer, cache):
+    """Per prompt: the greedy output without a grammar (same bias), and the fresh-matcher oracle's
+    with the grammar after `</think>` (computed once for both engines)."""
+    think_end, spec = tokenizer.token_to_id("</think>"), REASONING_SPEC
+
+    def biased(logits, out):
+        logits[think_end] += THINK_BIAS
+        return logits
+
+    def constrained(logits, out):
+        grammar = RequestGrammar.from_tokens(cache.get(spec), spec, cache.tokens, out)
+        rows = torch.empty(1, grammar.num_words, dtype=torch.int32)
+        grammar.fill(rows)
+        x = biased(logits, out).view(1, -1)
+        apply_masks(x, rows)
+        return x[0]
+
+    ps = prompts(6, seed=21, min_len=5, max_len=30)[3:5]
+    return [(p, reference_greedy(model, p, MAX_NEW, biased), reference_greedy(model, p, MAX_NEW, constrained))
+            for p in ps]
+
+
+@pytest.mark.parametrize("mtp", ["off", 2])
+def test_reasoning_then_grammar_is_the_unconstrained_path_then_the_grammar(model, tokenizer, cache, reasoning_refs,
+                                                                            mtp):
+    """The prompt opened `<think>` ("enabled"): up to `</think>` the output is what greedy decoding
+    without any grammar writes; after it, the grammar's (the fresh-matcher oracle, MTP or not)."""
+    think_end = tokenizer.token_to_id("</think>")
+    engine = _engine(model, tokenizer, cache, mtp=mtp)
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, grammar=REASONING_SPEC,
+                            logit_bias={think_end: THINK_BIAS})
+    reqs = engine.generate([p for p, _, _ in reasoning_refs], params)
+    for (_, free, oracle), r in zip(reasoning_refs, reqs, strict=True):
+        assert r.output_ids == oracle
+        n = free.index(think_end) + 1
+        assert n > 5 and not set(free[: n - 1]) & tokenizer.special_ids  # plain reasoning text first
+        assert r.output_ids[:n] == free[:n]
+        if r.finish_reason == "stop":
+            _valid(tokenizer, "schema", r.output_ids[n:])
+    if mtp != "off":
+        assert engine.stats.draft_tokens > 0
 
 
 @pytest.mark.slow

@@ -103,6 +103,25 @@ class ScriptedBackend(GenerationBackend):
                 return
 
 
+def accumulated_stream(client, **kwargs):
+    """A chat stream put together by the `openai` client's own helpers (`chat.completions.stream`):
+    the final choice, and every chunk's delta in order."""
+    deltas = []
+    with client.chat.completions.stream(**kwargs) as stream:
+        for event in stream:
+            if event.type == "chunk" and event.chunk.choices:
+                deltas.append(event.chunk.choices[0].delta)
+        return stream.get_final_completion().choices[0], deltas
+
+
+def message_parts(choice) -> dict:
+    """What a chat choice says, ids aside: content, reasoning, calls (name, arguments), finish."""
+    m = choice.message
+    calls = [(c.function.name, c.function.arguments) for c in m.tool_calls or []]
+    return {"content": m.content or "", "reasoning": getattr(m, "reasoning_content", None), "calls": calls,
+            "finish": choice.finish_reason}
+
+
 AGENT_CALL_TEXT = "Let me look.<tool_call>read_file<arg_key>path</arg_key><arg_value>a.py</arg_value></tool_call>"
 
 

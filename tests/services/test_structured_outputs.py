@@ -2,7 +2,8 @@
 uvicorn on 127.0.0.1, the bundled model in a LocalEngineBackend drafting with MTP. Every
 `json_schema` answer parses and validates; every `required` / named call names an offered function
 and its arguments validate against its schema; streaming and non-streaming agree; `none` never
-calls; an uncompilable schema is a 400; logit_bias reaches the sampler."""
+calls; free calls stream in pieces that add up to the whole answer; reasoning comes before the
+grammar; an uncompilable schema is a 400; logit_bias reaches the sampler."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import json
 import jsonschema
 import openai
 import pytest
-from router_fixtures import HAS_MODEL, MODEL_DIR, serve
+from router_fixtures import HAS_MODEL, MODEL_DIR, accumulated_stream, message_parts, serve
 
 from glmserve.services.local_backend import LocalEngineBackend
 from glmserve.services.router.app import create_app
@@ -111,6 +112,35 @@ def test_tool_choice_none_never_calls(client):
                                              logprobs=True).choices[0]
         assert out.message.tool_calls is None and out.finish_reason in ("stop", "length")
         assert not {e.token for e in out.logprobs.content} & set(TOOL_MARKUP)
+
+
+def test_free_calls_stream_in_pieces_and_equal_the_whole(client):
+    kwargs = dict(model=MODEL, messages=_user(ASKS[1]), tools=TOOLS, temperature=0, max_tokens=64)
+    whole = client.chat.completions.create(**kwargs).choices[0]
+    streamed, deltas = accumulated_stream(client, **kwargs)
+    assert message_parts(streamed) == message_parts(whole)
+    assert whole.message.tool_calls, "the bundled model calls a tool for this ask"
+    pieces = [tc for d in deltas for tc in d.tool_calls or [] if tc.index == 0]
+    assert pieces[0].function.name == whole.message.tool_calls[0].function.name
+    if json.loads(whole.message.tool_calls[0].function.arguments):
+        assert len(pieces) >= 2  # the arguments came in pieces, not whole at the end
+
+
+THINK_BIAS = 10.0  # on `</think>`: the bundled model never learned to think, so it is told to stop
+
+
+def test_reasoning_comes_before_the_grammar(client):
+    """With ``enable_thinking`` the prompt opens `<think>`: the answer reasons first (greedy, MTP 2),
+    the JSON after `</think>` validates, and the stream says the same. (Greedy identity of the
+    reasoning with the unconstrained path is tested in the engine, against an oracle.)"""
+    think_end = Tokenizer.from_dir(MODEL_DIR).token_to_id("</think>")
+    kwargs = dict(model=MODEL, messages=_user(ASKS[0]), temperature=0, max_tokens=96, response_format=FORMAT,
+                  logit_bias={str(think_end): THINK_BIAS}, extra_body={"chat_template_kwargs": {"enable_thinking": True}})
+    out = client.chat.completions.create(**kwargs).choices[0]
+    assert out.finish_reason == "stop", out.message
+    assert out.message.reasoning_content
+    jsonschema.validate(json.loads(out.message.content), SCHEMA)
+    assert message_parts(accumulated_stream(client, **kwargs)[0]) == message_parts(out)
 
 
 def test_uncompilable_schema_is_400_and_the_server_keeps_serving(client):

@@ -1,4 +1,5 @@
-"""Tool-call parsing: template round trip, streaming == one-shot for every split, lossless fallback."""
+"""Tool-call parsing: template round trip, streaming == one-shot for every split, arguments streamed
+in pieces that add up to the whole, lossless fallback."""
 
 from __future__ import annotations
 
@@ -10,7 +11,14 @@ import pytest
 
 from glmserve.text.chat import render_chat
 from glmserve.text.special_tokens import ASSISTANT, OBSERVATION
-from glmserve.text.tool_calls import ParsedOutput, ToolCallStreamParser, coerce_value, parse_tool_calls
+from glmserve.text.tool_calls import (
+    ParsedOutput,
+    StreamDelta,
+    ToolCallStreamParser,
+    coerce_value,
+    merge_call_deltas,
+    parse_tool_calls,
+)
 
 TOOLS = [
     {
@@ -70,14 +78,24 @@ def _assistant_output(text: str) -> str:
 
 
 def _stream(text: str, cuts: list[int], tools: list[dict[str, Any]] | None = TOOLS) -> ParsedOutput:
-    parser, content, calls = ToolCallStreamParser(tools, call_id=_ids), "", []
+    """Fed in pieces; checks the deltas' shape: a call's first delta has its id, type and name, the
+    later ones only argument pieces, at most one delta per call per feed, calls in index order."""
+    parser, content, deltas = ToolCallStreamParser(tools, call_id=_ids), "", []
     pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+    seen: set[int] = set()
     for delta in [parser.feed(p) for p in pieces] + [parser.finish()]:
         content += delta.content
+        indexes = [c["index"] for c in delta.tool_calls]
+        assert indexes == sorted(set(indexes))
         for c in delta.tool_calls:
-            assert c["index"] == len(calls) and c["type"] == "function" and c["id"].startswith("call_")
-            calls.append({k: v for k, v in c.items() if k != "index"})
-    return ParsedOutput(content, calls)
+            if c["index"] in seen:
+                assert set(c) == {"index", "function"} and set(c["function"]) == {"arguments"}
+            else:
+                assert c["index"] == len(seen) and c["type"] == "function" and c["id"].startswith("call_")
+                assert c["function"]["name"]
+                seen.add(c["index"])
+        deltas += delta.tool_calls
+    return ParsedOutput(content, merge_call_deltas(deltas))
 
 
 @pytest.mark.parametrize("content", [None, "I'll look at both files.", "Multi\nline ü content:"])
@@ -123,6 +141,12 @@ STREAM_CASES = [
     "a<tool_call>bad name</tool_call>b <tool_call>list_dir</tool_call> c <tool_call>read_file<arg_key>k",
     "<tool_call>x<tool_call>list_dir</tool_call>  \n",
     "ü😀<tool_call></tool_call><tool_cal",
+    # committed, then broken: a repeated key, stray text, a new call; and a call the output cuts short
+    "<tool_call>read_file<arg_key>path</arg_key><arg_value>a</arg_value><arg_key>path</arg_key>"
+    "<arg_value>b</arg_value></tool_call>",
+    "<tool_call>read_file<arg_key>path</arg_key><arg_value>a</arg_value> junk</tool_call> after",
+    "<tool_call>read_file <arg_key>path</arg_key> <arg_value>a</arg_value><tool_call>list_dir</tool_call>",
+    "<tool_call>edit_file<arg_key>path</arg_key><arg_value>x</arg_value><arg_key>old</arg_key><arg_value>y",
 ]
 
 
@@ -157,7 +181,7 @@ def test_glm_format_with_newlines() -> None:
 @pytest.mark.parametrize(
     "text",
     [
-        "<tool_call>read_file<arg_key>path</arg_key><arg_value>a.py</arg_value>",  # unclosed
+        "<tool_call>read_file<arg_key>path</arg_key><arg_value>a.py",  # unclosed, no complete pair
         "<tool_call><arg_key>path</arg_key><arg_value>a.py</arg_value></tool_call>",  # no name
         "<tool_call>   </tool_call>",
         "<tool_call>read file</tool_call>",  # name with a space
@@ -192,19 +216,31 @@ def test_partial_tag_is_held_back_then_flushed() -> None:
     assert p.finish().content == " <tool_call"
 
 
-def test_call_arrives_only_when_closed() -> None:
-    p = ToolCallStreamParser(call_id=_ids)
-    assert p.feed("<tool_call>list_dir<arg_key>path</arg_key><arg_value>.</arg_value>").tool_calls == []
-    d = p.feed("</tool_call>")
-    assert d.content == "" and d.tool_calls == [
-        {
-            "index": 0,
-            "id": "call_0",
-            "type": "function",
-            "function": {"name": "list_dir", "arguments": '{"path": "."}'},
-        }
+def test_arguments_stream_pair_by_pair() -> None:
+    p = ToolCallStreamParser(TOOLS, call_id=_ids)
+    assert p.feed("Sure. <tool_call>read_file<arg_key>path</arg_key><arg_value>a.p") == StreamDelta("Sure.")
+    first = p.feed("y</arg_value>\n<arg_key>start_line")
+    assert first.content == "" and first.tool_calls == [
+        {"index": 0, "id": "call_0", "type": "function", "function": {"name": "read_file", "arguments": '{"path": "a.py"'}}
     ]
-    assert p.finish().content == ""
+    assert p.feed("</arg_key><arg_value>7</arg_value>").tool_calls == [
+        {"index": 0, "function": {"arguments": ', "start_line": 7'}}
+    ]
+    assert p.feed("</tool_call>").tool_calls == [{"index": 0, "function": {"arguments": "}"}}]
+    closing = p.feed("<tool_call>list_dir</tool_call>")  # a call without arguments: whole at once
+    assert closing.tool_calls == [
+        {"index": 1, "id": "call_1", "type": "function", "function": {"name": "list_dir", "arguments": "{}"}}
+    ]
+    assert p.finish() == StreamDelta()
+
+
+def test_committed_call_cut_short_keeps_its_complete_pairs() -> None:
+    text = "<tool_call>read_file<arg_key>path</arg_key><arg_value>a</arg_value><arg_key>start_line</arg_key><arg_v"
+    out = parse_tool_calls(text, TOOLS, call_id=_ids)
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in out.tool_calls] == [
+        ("read_file", {"path": "a"})
+    ]
+    assert out.content == "<arg_key>start_line</arg_key><arg_v"  # the partial pair, kept as text
 
 
 @pytest.mark.parametrize(

@@ -81,6 +81,7 @@ def create_app(
     admission: AdmissionConfig | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     response_store: ResponseStore | None = None,
+    separate_reasoning: bool = True,
 ) -> FastAPI:
     """An OpenAI-compatible app serving ``model_name`` through ``backend``.
 
@@ -91,10 +92,12 @@ def create_app(
     ``admission``: the bounds of the admission queue (`AdmissionConfig`'s defaults when None).
     ``max_body_bytes``: a larger request body is refused with 413 before it is read whole.
     ``response_store``: where ``/v1/responses`` keeps stored responses (this process when None).
+    ``separate_reasoning``: chat answers put `<think>` blocks into ``reasoning_content`` unless a
+    request says otherwise (``--reasoning-parser glm45``, the default; False: ``none``).
     The backend is started and closed by the app's lifespan.
     """
     metrics = RouterMetrics(model_name)
-    serving = OpenAIServing(backend, tokenizer, model_name, max_context, metrics, admission)
+    serving = OpenAIServing(backend, tokenizer, model_name, max_context, metrics, admission, separate_reasoning)
     store = response_store if response_store is not None else MemoryResponseStore()
     responses, messages = ResponsesAPI(serving, store), MessagesAPI(serving)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from glmserve.services.router.chat_output import ChatDelta
 from glmserve.services.router.errors import APIError
 from glmserve.services.router.token_logprobs import TokenLogprob
 
@@ -30,8 +31,11 @@ def chat_completion(
     finish_reason: str,
     usage_: dict[str, Any],
     logprobs: dict[str, Any] | None,
+    reasoning: str | None = None,
 ) -> dict[str, Any]:
     message: dict[str, Any] = {"role": "assistant", "content": content}
+    if reasoning is not None:
+        message["reasoning_content"] = reasoning
     if tool_calls:
         message["tool_calls"] = tool_calls
     choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
@@ -43,6 +47,18 @@ def chat_completion(
         "choices": [choice],
         "usage": usage_,
     }
+
+
+def chat_delta(part: ChatDelta) -> dict[str, Any]:
+    """A stream chunk's ``delta`` for a `ChatDelta` (reasoning, content, tool-call deltas)."""
+    delta: dict[str, Any] = {}
+    if part.reasoning:
+        delta["reasoning_content"] = part.reasoning
+    if part.content or not (part.reasoning or part.tool_calls):
+        delta["content"] = part.content
+    if part.tool_calls:
+        delta["tool_calls"] = part.tool_calls
+    return delta
 
 
 def chat_chunk(

@@ -35,6 +35,7 @@ import uvicorn
 
 from glmserve.services.router.admission import AdmissionConfig
 from glmserve.services.router.app import DEFAULT_MAX_BODY_BYTES, create_app
+from glmserve.services.router.chat_output import REASONING_PARSERS
 from glmserve.services.router.grpc_backend import DisaggregatedBackend
 from glmserve.services.router.prefill_routing import POLICIES, RoutingConfig
 from glmserve.services.router.responses_store import KVStoreResponseStore
@@ -65,6 +66,7 @@ class RouterConfig:
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     drain_timeout_s: float = 30.0  # on SIGTERM, how long running requests may finish
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies get 413
+    reasoning_parser: str = "glm45"  # "none": reasoning stays in the content unless a request asks
 
     def __post_init__(self) -> None:
         if not (self.model / "config.json").is_file():
@@ -83,6 +85,8 @@ class RouterConfig:
             raise ValueError(f"drain_timeout_s: must be >= 0, got {self.drain_timeout_s}")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes: must be >= 1024, got {self.max_body_bytes}")
+        if self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser: must be one of {REASONING_PARSERS}, got {self.reasoning_parser!r}")
 
     @classmethod
     def from_args(cls, argv: Sequence[str] | None = None) -> RouterConfig:
@@ -120,6 +124,9 @@ class RouterConfig:
                        help="on SIGTERM, how long running requests may finish before they are ended")
         p.add_argument("--max-body-bytes", type=int, default=cls.max_body_bytes,
                        help="larger request bodies are refused with 413 before they are read")
+        p.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=cls.reasoning_parser,
+                       help="glm45: chat answers carry <think> blocks as reasoning_content (a request's "
+                            "separate_reasoning overrides); none: they stay in the content")
         a = p.parse_args(argv)
         routing = RoutingConfig(host_credit=a.host_credit, max_imbalance=a.max_imbalance,
                                 shared_prefix_fraction=a.shared_prefix_fraction, session_ttl_s=a.session_ttl_s,
@@ -128,7 +135,8 @@ class RouterConfig:
                                     max_queued_per_tenant=a.max_queued_per_tenant, max_wait_s=a.max_queue_wait_s)
         return cls(a.model, tuple(a.decode), tuple(a.prefill), a.host, a.port, a.kvstore,
                    tuple(a.api_keys), a.served_model_name, a.poll_interval_s, routing=routing,
-                   admission=admission, drain_timeout_s=a.drain_timeout_s, max_body_bytes=a.max_body_bytes)
+                   admission=admission, drain_timeout_s=a.drain_timeout_s, max_body_bytes=a.max_body_bytes,
+                   reasoning_parser=a.reasoning_parser)
 
 
 class _Server(uvicorn.Server):
@@ -189,7 +197,8 @@ async def serve(config: RouterConfig) -> bool:
                      max_context=model_config["max_position_embeddings"], admission=config.admission,
                      max_body_bytes=config.max_body_bytes,
                      # Stored responses where every replica reads them (else in this process).
-                     response_store=KVStoreResponseStore(config.kvstore) if config.kvstore else None)
+                     response_store=KVStoreResponseStore(config.kvstore) if config.kvstore else None,
+                     separate_reasoning=config.reasoning_parser != "none")
     sock = _bind(config.host, config.port)
     port = sock.getsockname()[1]
     async def drain() -> None:

@@ -80,11 +80,13 @@ class ChatMessage(OpenBody):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Str | list[TextPart] | None = None
     tool_calls: list[ToolCall] | None = None
+    reasoning_content: Str | None = None  # an earlier answer's reasoning (the template decides its use)
 
     @model_validator(mode="after")
     def _content_or_calls(self) -> ChatMessage:
-        if self.tool_calls is not None and self.role != "assistant":
-            raise ValueError("tool_calls: only on assistant messages")
+        for name in ("tool_calls", "reasoning_content"):
+            if getattr(self, name) is not None and self.role != "assistant":
+                raise ValueError(f"{name}: only on assistant messages")
         if self.content is None and not (self.role == "assistant" and self.tool_calls):
             raise ValueError(f"content: required for role {self.role!r}")
         return self
@@ -225,6 +227,8 @@ class ChatCompletionRequest(GenerationBody):
     parallel_tool_calls: Bool = True
     logprobs: Bool = False
     top_logprobs: Annotated[int, Strict(), Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM / SGLang extension, e.g. enable_thinking
+    separate_reasoning: Bool | None = None  # SGLang extension; None: the router's --reasoning-parser
 
     @model_validator(mode="after")
     def _consistent(self) -> ChatCompletionRequest:

@@ -7,7 +7,7 @@ template and tokenization off the event loop; 400 on a bad chat or prompt), cont
 then the run
 (`RequestRun`): its admission (429 / 503 with ``Retry-After``) and its first event come before the
 `Answer` exists, so a refusal is an HTTP status, never an error inside a started stream. The backend's events carry the text (stop strings already applied where the engine
-runs); here it is only formatted, and parsed for tool calls. Fields were checked when the body was
+runs); here it is only formatted, and read for reasoning and tool calls (`chat_output`). Fields were checked when the body was
 parsed (`openai_requests`).
 """
 
@@ -27,6 +27,7 @@ from glmserve.services.router import completion_bodies as bodies
 from glmserve.services.router.admission import AdmissionConfig, AdmissionQueue
 from glmserve.services.router.admission_metrics import AdmissionMetrics
 from glmserve.services.router.backend import GenerationBackend
+from glmserve.services.router.chat_output import ChatOutput, grammar_reasoning
 from glmserve.services.router.errors import (
     APIError,
     from_value_error,
@@ -45,7 +46,8 @@ from glmserve.services.router.tokenize_requests import (
     tokenize_answer,
 )
 from glmserve.services.router.tool_call_parsing import CallParsing
-from glmserve.text.special_tokens import TOOL_MARKUP
+from glmserve.text.reasoning_parser import reasoning_start
+from glmserve.text.special_tokens import THINK_TAGS, TOOL_MARKUP
 from glmserve.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -70,13 +72,15 @@ class OpenAIServing:
     """Chat and legacy completions over ``backend`` for the one served model."""
 
     def __init__(self, backend: GenerationBackend, tokenizer: Tokenizer, model_name: str, max_context: int,
-                 metrics: RouterMetrics, admission: AdmissionConfig | None = None) -> None:
+                 metrics: RouterMetrics, admission: AdmissionConfig | None = None,
+                 separate_reasoning: bool = True) -> None:
         if max_context < 2:
             raise ValueError(f"max_context: must be >= 2, got {max_context}")
         self.backend, self.tokenizer, self.model_name = backend, tokenizer, model_name
         self.max_context, self.metrics = max_context, metrics
         self.admission = AdmissionQueue(admission or AdmissionConfig(),
                                         AdmissionMetrics(metrics.registry, metrics.rejected))
+        self.separate_reasoning = separate_reasoning  # a request's default (`--reasoning-parser`)
         self.started = int(time.time())  # the model card's `created`
         self._runs: set[RequestRun] = set()  # opened or opening, until closed
 
@@ -97,7 +101,7 @@ class OpenAIServing:
                 ids = await asyncio.to_thread(self.tokenizer.encode, body.prompt)
             else:
                 ids = await asyncio.to_thread(self.tokenizer.apply_chat_template, body.template_messages(),
-                                              body.template_tools())
+                                              body.template_tools(), True, body.chat_template_kwargs)
         except ValueError as e:
             raise from_value_error(e, "messages") from e
         return tokenize_answer(ids, self.max_context)
@@ -114,34 +118,52 @@ class OpenAIServing:
         self._admit(body)
         body.check_length_bound(body.text_chars() // self.tokenizer.max_token_bytes, self.max_context, "messages")
         tools = body.active_tools()
-        try:
-            prompt = await asyncio.to_thread(self.tokenizer.apply_chat_template, body.template_messages(), tools)
-        except ValueError as e:
-            raise from_value_error(e, "messages") from e
-        grammar = body.grammar()
-        params = body.sampling_params(len(prompt), self.max_context, "messages", self.tokenizer.vocab_size, grammar)
-        if tools is not None:  # the tool-call parser reads the markup in the text
-            params = replace(params, visible_special_tokens=TOOL_MARKUP)
-        elif body.tools:  # tool_choice "none": no markup can be generated, whatever the bias
-            params = replace(params, banned_token_ids=self._tool_markup_ids)
-        calls = CallParsing(tools, strip_values=grammar is not None and grammar.kind == "tool_calls",
-                            parallel=body.parallel_tool_calls)
+        prompt = await self.chat_prompt(body.template_messages(), tools, body.chat_template_kwargs)
+        params, output = self.chat_params(body, prompt, tools)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         run = self.run(rid, prompt, params, ctx)
         if not await run.open():
             return Answer(status=499)
         if body.stream:
-            return Answer(chunks=self._chat_chunks(run, created, calls, body.include_usage), run=run)
+            return Answer(chunks=self._chat_chunks(run, created, output, body.include_usage), run=run)
         out = await _whole(run)
         if isinstance(out, Answer):
             return out
-        parsed = calls.parse(out.text)
+        parsed = output.parse(out.text)
         logprobs = bodies.chat_logprobs(out.logprobs) if params.logprobs is not None else None
         content = parsed.content if parsed.content or not parsed.tool_calls else None
         return Answer(bodies.chat_completion(
             rid, created, self.model_name, content, parsed.tool_calls,
             _finish_reason(out.finish_reason, bool(parsed.tool_calls)), self._usage(run), logprobs,
+            parsed.reasoning or None,
         ), run=run)
+
+    async def chat_prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                          template_kwargs: dict[str, Any] | None) -> list[int]:
+        """The chat template's prompt ids (off the event loop); 400 on a bad chat."""
+        try:
+            return await asyncio.to_thread(self.tokenizer.apply_chat_template, messages, tools, True,
+                                           template_kwargs)
+        except ValueError as e:
+            raise from_value_error(e, "messages") from e
+
+    def chat_params(self, body: ChatCompletionRequest, prompt: list[int],
+                    tools: list[dict[str, Any]] | None) -> tuple[SamplingParams, ChatOutput]:
+        """The sampling of a chat request and how its output is read: the grammar starts after
+        the reasoning, the markup the parsers read stays in the text, and with tools offered
+        but ``tool_choice`` "none" the markup is banned (no bias can bring a call back)."""
+        separate = self.separate_reasoning if body.separate_reasoning is None else body.separate_reasoning
+        start = reasoning_start(prompt, self.tokenizer)
+        grammar = body.grammar()
+        if grammar is not None:
+            grammar = grammar.with_reasoning(grammar_reasoning(start, separate))
+        params = body.sampling_params(len(prompt), self.max_context, "messages", self.tokenizer.vocab_size, grammar)
+        params = replace(params, visible_special_tokens=THINK_TAGS + (TOOL_MARKUP if tools is not None else ()))
+        if tools is None and body.tools:
+            params = replace(params, banned_token_ids=self._tool_markup_ids)
+        calls = CallParsing(tools, strip_values=grammar is not None and grammar.kind == "tool_calls",
+                            parallel=body.parallel_tool_calls)
+        return params, ChatOutput(calls, start, separate)
 
     async def completion(self, body: CompletionRequest, ctx: RequestContext) -> Answer:
         self._admit(body)
@@ -218,27 +240,22 @@ class OpenAIServing:
     def _tool_markup_ids(self) -> tuple[int, ...]:
         return tuple(i for i in (self.tokenizer.token_to_id(t) for t in TOOL_MARKUP) if i is not None)
 
-    async def _chat_chunks(self, run: RequestRun, created: int, calls_parsing: CallParsing,
+    async def _chat_chunks(self, run: RequestRun, created: int, output: ChatOutput,
                            include_usage: bool) -> AsyncIterator[dict[str, Any]]:
         rid, model = run.request_id, self.model_name
-        parser = calls_parsing.stream_parser()
+        stream = output.stream()
         has_calls, finish = False, None
         yield bodies.chat_chunk(rid, created, model, {"role": "assistant", "content": ""})
         try:
             async with aclosing(run.deltas()) as deltas:
                 async for text, logprobs, finish in deltas:
-                    content, calls = text, []
-                    if parser is not None:  # tool-call markup becomes `tool_calls` once a call closes
-                        parts = [parser.feed(text)] + ([parser.finish()] if finish is not None else [])
-                        content = "".join(p.content for p in parts)
-                        calls = calls_parsing.allowed([c for p in parts for c in p.tool_calls])
-                    has_calls = has_calls or bool(calls)
-                    if content or calls or logprobs:
-                        delta: dict[str, Any] = {"content": content} if content or not calls else {}
-                        if calls:
-                            delta["tool_calls"] = calls
+                    part = stream.feed(text)
+                    if finish is not None:
+                        part.add(stream.finish())
+                    has_calls = has_calls or bool(part.tool_calls)
+                    if part.reasoning or part.content or part.tool_calls or logprobs:
                         lp = bodies.chat_logprobs(logprobs) if run.params.logprobs is not None else None
-                        yield bodies.chat_chunk(rid, created, model, delta, None, lp)
+                        yield bodies.chat_chunk(rid, created, model, bodies.chat_delta(part), None, lp)
         except APIError as e:
             yield e.to_dict()
             return

@@ -1,6 +1,6 @@
 """Bodies of ``POST /tokenize`` and ``POST /detokenize`` (as vLLM and SGLang offer them), and their
 answers. ``/tokenize`` takes a ``prompt`` (tokenized as ``/v1/completions`` does) or chat
-``messages`` (+ ``tools``; rendered as ``/v1/chat/completions`` does, generation prompt included),
+``messages`` (+ ``tools``, ``chat_template_kwargs``; rendered as ``/v1/chat/completions`` does, generation prompt included),
 so a client can count exactly what a request will cost."""
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ class TokenizeRequest(OpenBody):
     prompt: Str | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
     tools: list[Tool] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:

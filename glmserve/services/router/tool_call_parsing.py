@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from glmserve.text.tool_calls import ParsedOutput, ToolCallStreamParser, parse_tool_calls
+from glmserve.text.tool_calls import ParsedOutput, ToolCallStreamParser, merge_call_deltas, parse_tool_calls
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,10 @@ class CallParsing:
 
     def stream_parser(self) -> ToolCallStreamParser | None:
         return ToolCallStreamParser(self.tools, strip_values=self.strip_values) if self.tools else None
+
+    def whole(self, deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Streamed call deltas (with ``index``) merged into the whole calls, as a message has them."""
+        return merge_call_deltas(deltas)
 
     def allowed(self, calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """The calls to return (streamed calls carry their ``index``; whole ones are in order)."""
