@@ -275,3 +275,23 @@ def test_default_ids_are_unique() -> None:
     text = "<tool_call>list_dir</tool_call>" * 3
     ids = [c["id"] for c in parse_tool_calls(text).tool_calls]
     assert len(set(ids)) == 3 and all(i.startswith("call_") for i in ids)
+
+
+SOUP = ["<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>", "read_file",
+        "list_dir", "path", "start_line", " ", "\n", "a.py", "7", "x<y", "{", "}", "<tool_", "</arg", "ü"]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_markup_streams_as_it_parses_whole(seed: int) -> None:
+    """Random markup soup (well formed calls mixed in): every split gives the one-shot answer, and
+    every call's pieces add up to a JSON object."""
+    rng = random.Random(seed)
+    call = "<tool_call>read_file<arg_key>path</arg_key><arg_value>a.py</arg_value></tool_call>"
+    for _ in range(60):
+        text = "".join(rng.choice(SOUP + [call]) for _ in range(rng.randint(1, 14)))
+        want = parse_tool_calls(text, TOOLS, call_id=_ids)
+        for c in want.tool_calls:
+            assert isinstance(json.loads(c["function"]["arguments"]), dict)
+        cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(1, 10)))) if len(text) > 1 else []
+        assert _stream(text, cuts) == want, text
+        assert _stream(text, list(range(1, len(text)))) == want, text
