@@ -78,6 +78,16 @@ TRANSFER = [
     Panel("Prefill queue and compute time", quantiles("glmserve_worker_request_queue_time_seconds", "role")
           + quantiles("glmserve_worker_request_prefill_time_seconds"), "s"),
     Panel("Decode time per request", quantiles("glmserve_worker_request_decode_time_seconds"), "s"),
+    Panel("LayerSplit: KV transfer hidden behind compute", ((
+        f"1 - sum(rate(glmserve_layersplit_kv_transfer_exposed_seconds_sum{{{M}}}[{RI}]))"
+        f" / sum(rate(glmserve_layersplit_kv_transfer_seconds_sum{{{M}}}[{RI}]))", "hidden"),),
+        "percentunit", "stat",
+        description="Share of the stages' KV write time that overlapped later chunks' compute (staged "
+                    "prefill replicas only; what is not hidden delays the first token)."),
+    Panel("LayerSplit: KV transfer per request, in flight and exposed",
+          quantiles("glmserve_layersplit_kv_transfer_seconds")
+          + tuple((q, "exposed " + legend) for q, legend in quantiles("glmserve_layersplit_kv_transfer_exposed_seconds")),
+          "s", description="Exposed: the part left after the last chunk was computed (on the critical path)."),
 ]
 
 CACHE = [

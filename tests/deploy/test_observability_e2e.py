@@ -4,9 +4,10 @@ scraping every service:
 
 - one request's spans, sent by three processes (router, decode, prefill), share one trace id and
   nest client -> server across each gRPC hop (the context travels in the calls' metadata);
-- under scripted load - streamed and plain requests, streams the client abandons, bad requests, and
-  a prefill worker killed with SIGKILL while it computes (the launcher restarts it) - every PromQL expression of every dashboard panel returns data over the run (a range query, as
-  Grafana draws it), every panel shows a non-zero value except those named in `NOT_EXERCISED`
+- under scripted load - streamed and plain requests, streams the client abandons, bad requests, the
+  head of a two-stage LayerSplit prefill replica killed with SIGKILL while it computes, then the
+  kvstore killed while requests run (the launcher restarts both) - every PromQL expression of every
+  dashboard panel returns data over the run (a range query, as Grafana draws it), every panel shows a non-zero value except those named in `NOT_EXERCISED`
   (with why), and every recording and alert rule evaluates without error, over Prometheus' HTTP API.
 
 The values each panel's queries returned are printed (run with ``-s`` to see them) and written to
@@ -27,10 +28,10 @@ from deploy_tools import dashboard_queries, tool, undocumented
 from otlp_receiver import OTLPReceiver, ReceivedSpan
 from prometheus_server import PrometheusServer, Result, write_config
 from scripted_load import Tally, client_for, long_requests, mixed_load, until_served
-from serve_platform import ServePlatform, free_port_run
 
 from glmserve.proto_gen.glmserve.prefill.v1 import prefill_pb2 as prefill_pb
 from glmserve.proto_gen.glmserve.prefill.v1 import prefill_pb2_grpc as prefill_grpc
+from tests.serve_platform import ServePlatform, free_port_run
 from tests.shared import HAS_MODEL, MODEL_DIR
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not HAS_MODEL, reason=f"no model at {MODEL_DIR}")]
@@ -43,9 +44,7 @@ RATE_INTERVAL = "4s"  # Grafana's $__rate_interval at a 1 s step and a 1 s scrap
 NOT_EXERCISED: dict[tuple[str, str], str] = {
     ("glmserve-cache", "Device evictions"): "the run's prompts fit the workers' device KV pools (720 blocks each)",
     ("glmserve-workers", "Preemptions"): "the decode pool never runs out of blocks",
-    ("glmserve-faults", "Block-event publish failures"): "the kvstore stays up",
-    ("glmserve-faults", "Host-tier failures, by op"): "the kvstore stays up",
-    ("glmserve-faults", "kvstore RPC errors"): "every kvstore call is valid and the kvstore stays up",
+    ("glmserve-faults", "kvstore RPC errors"): "every kvstore call is valid (a killed kvstore counts nothing)",
     ("glmserve-transfer", "Stale stamps ignored"): "a stale stamp is a bug (asserted 0)",
     ("glmserve-workers", "Router admission queue"): "no request waits: `glmserve serve` runs the router with "
                                                     "its default 64 running slots",
@@ -84,6 +83,10 @@ def _run_load(platform: ServePlatform) -> Tally:
     platform.expect(rf"glmserve: {VICTIM} is back at", timeout_s=300)  # restarted and ready
     asyncio.run(until_served(platform.url, MODEL, tally, timeout_s=60))  # and the router reaches it again
     asyncio.run(mixed_load(platform.url, MODEL, 2, tally, seed=3))  # its device cache is empty now
+    platform.kill("kvstore")  # not on the data path: the workers' publishes and host-tier writes fail
+    asyncio.run(mixed_load(platform.url, MODEL, 2, tally, seed=4))
+    platform.expect(r"glmserve: kvstore is back at", timeout_s=120)
+    asyncio.run(mixed_load(platform.url, MODEL, 1, tally, seed=5))
     return tally
 
 
@@ -96,6 +99,7 @@ def observed(tmp_path_factory):
     tracing_env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "200",
                    "OTEL_SERVICE_NAME": "", "OTEL_TRACES_SAMPLER": "parentbased_always_on"}
     platform = ServePlatform(tmp / "serve.log", "--host-tier-bytes", str(128 << 20), "--drain-timeout", "2",
+                             "--prefill-stages", "2",
                              env={"OMP_NUM_THREADS": "1", **tracing_env})
     config = write_config(tmp / "prometheus.yml", platform.metrics_targets())
     prometheus = PrometheusServer(prometheus_binary, config, tmp / "tsdb", free_port_run(1), tmp / "prom.log")
@@ -212,7 +216,9 @@ def test_every_dashboard_query_and_rule_evaluates_on_live_data(observed, tmp_pat
     # the killed worker: one new process, counted by the launcher too (GLMSERVE_RESTARTS)
     assert total('sum(changes(process_start_time_seconds{job="glmserve-prefill"}[WINDOW]))') >= 1
     assert total('sum(increase(glmserve_process_restarts_total{job="glmserve-prefill"}[WINDOW]))') >= 1
-    assert total('sum(increase(glmserve_process_restarts_total{job!="glmserve-prefill"}[WINDOW]))') == 0
+    assert total('sum(increase(glmserve_process_restarts_total{job="glmserve-kvstore"}[WINDOW]))') >= 1
+    assert total('sum(increase(glmserve_process_restarts_total{job=~"glmserve-(router|decode)"}[WINDOW]))') == 0
+    assert total("sum(increase(glmserve_layersplit_kv_transfer_seconds_count[WINDOW]))") > 0
     failed = ('sum(increase(glmserve_router_requests_total{status=~"5.."}[WINDOW]))'
               " + sum(increase(glmserve_router_rejections_total[WINDOW]))")
     assert total(failed) > 0, "the killed worker's requests left no failure in the metrics"

@@ -10,7 +10,7 @@ import anthropic
 import openai
 import pytest
 
-from tests.deploy.serve_platform import ServePlatform
+from tests.serve_platform import ServePlatform
 from tests.shared import HAS_MODEL, MODEL_DIR
 from tools import tiny_corpus
 

@@ -10,13 +10,7 @@ address and the platform serves again. The launcher never stops on its own.
 from __future__ import annotations
 
 import asyncio
-import os
-import queue
 import re
-import signal
-import subprocess
-import sys
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,71 +21,28 @@ import httpx
 import openai
 import pytest
 from listening_sockets import listening_addresses, non_loopback
-from worker_fixtures import HAS_MODEL, MODEL_DIR, REPO
+from worker_fixtures import HAS_MODEL, MODEL_DIR
 
 from glmserve.proto_gen.glmserve.decode.v1 import decode_pb2 as decode_pb
 from glmserve.proto_gen.glmserve.decode.v1 import decode_pb2_grpc as decode_grpc
+from tests.serve_platform import ServePlatform
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not HAS_MODEL, reason=f"no model at {MODEL_DIR}")]
 
 ERROR_WITHIN_S = 5.0
 
 
-class Platform:
-    """`glmserve serve` as a subprocess; its stdout lines tell pids, addresses and restarts."""
+class Platform(ServePlatform):
+    """The launcher of this module: one prefill and two decode workers."""
 
     def __init__(self, log: Path) -> None:
-        cmd = [sys.executable, "-m", "glmserve.cli", "serve", "--model", str(MODEL_DIR), "--port", "0",
-               "--prefill-workers", "1", "--decode-workers", "2", "--ready-timeout", "300",
-               "--drain-timeout", "5", "--host-tier-bytes", str(32 << 20)]
-        env = {**os.environ, "PYTHONPATH": str(REPO), "NIXL_LOG_LEVEL": "WARN", "OMP_NUM_THREADS": "1"}
-        self.log = log.open("w")
-        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=self.log, text=True)
-        self.lines: queue.Queue[str] = queue.Queue()
-        self.pids: dict[str, int] = {}
-        self.addresses: dict[str, str] = {}
-        self.url = ""
-        threading.Thread(target=lambda: [self.lines.put(line) for line in self.proc.stdout], daemon=True).start()
-        self.expect(r"serving \S+ at (http://\S+)/v1", timeout_s=400)
-
-    def expect(self, pattern: str, timeout_s: float = 60.0) -> re.Match[str]:
-        """Read stdout lines until one matches ``pattern`` (pids and addresses noted on the way)."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            assert self.proc.poll() is None, f"the launcher exited with {self.proc.returncode}"
-            assert time.monotonic() < deadline, f"no line matching {pattern!r}"
-            try:
-                line = self.lines.get(timeout=1)
-            except queue.Empty:
-                continue
-            if m := re.search(r"glmserve: (\S+)\s+(\S+)\s+\(.*pid (\d+)\)", line):
-                self.addresses[m.group(1)], self.pids[m.group(1)] = m.group(2), int(m.group(3))
-            if m := re.search(r"glmserve: (\S+) restarted \(pid (\d+)", line):
-                self.pids[m.group(1)] = int(m.group(2))
-            if m := re.search(r"serving \S+ at (http://\S+)/v1", line):
-                self.url = m.group(1)
-            if m := re.search(pattern, line):
-                return m
-
-    def kill(self, name: str) -> float:
-        os.kill(self.pids[name], signal.SIGKILL)
-        return time.monotonic()
+        super().__init__(log, "--ready-timeout", "300", "--drain-timeout", "5", "--host-tier-bytes", str(32 << 20),
+                         prefill=1, decode=2, env={"OMP_NUM_THREADS": "1"})
+        self.wait_serving()
 
     def running(self, name: str) -> int:
         with grpc.insecure_channel(self.addresses[name]) as channel:
             return decode_grpc.DecodeStub(channel).Health(decode_pb.HealthRequest(), timeout=5).running
-
-    def ready(self) -> dict:
-        return httpx.get(f"{self.url}/ready", timeout=5).json()
-
-    def stop(self) -> int:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(120)
-        finally:
-            if self.proc.poll() is None:
-                self.proc.kill()
-            self.log.close()
 
 
 @pytest.fixture(scope="module")

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -162,11 +163,13 @@ class StagedPrefill:
         rid, gen = spec.request_id, spec.generation
         stage_spec = StageJobSpec(rid, gen, spec.prompt_ids, spec.params, spec.decode_target, spec.dest_block_ids,
                                   spec.checksum, spec.cache_salt)
+        arrived = time.monotonic()
         try:
             hits = await self._on_all(job, "begin", lambda p: p.begin(stage_spec))
             num_cached = min(hits)
             stream = len(spec.prompt_ids) - num_cached >= s.stream_min_tokens
             await self._on_all(job, "admit", lambda p: p.admit(rid, gen, num_cached, s.chunk_tokens, stream))
+            admitted = time.monotonic()
             outcomes: list[StageOutcome] = await self._on_all(job, "finish", lambda p: p.finish(rid, gen))
             job.drained = job.drained and all(o.drained for o in outcomes)
             failed = [o.error for o in outcomes if not o.ok]
@@ -175,16 +178,20 @@ class StagedPrefill:
             handoff = outcomes[-1].handoff
             if handoff is None:
                 raise PrefillFailed("the last stage ended without a first token", drained=True)
-            self._observe(outcomes)
+            self._observe(outcomes, admitted - arrived, time.monotonic() - admitted)
             output = dataclasses.replace(handoff, num_cached_tokens=num_cached)
             return PrefillResult(output, TransferStamp(rid, gen), num_stages=len(self._stages))
         finally:
             self._history.record(rid, gen, job.drained)
             del self._jobs[(rid, gen)]
 
-    def _observe(self, outcomes: list[StageOutcome]) -> None:
+    def _observe(self, outcomes: list[StageOutcome], queue_s: float, compute_s: float) -> None:
+        """Per request: the phase histograms, on the head's clock (every stage admitted it, then every
+        stage finished: computed and written), and the transfer timeline across the stages."""
         if self.metrics is None or self._timeline is None:
             return
+        self.metrics.queue_time.observe(queue_s)
+        self.metrics.prefill_time.observe(compute_s)
         timeline = TransferTimeline.of(outcomes)
         self._timeline.observe(timeline)
         self.metrics.transfer_bytes.inc(timeline.num_bytes)

@@ -11,7 +11,7 @@ when the stage is gone.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol, TypeVar
 
 import grpc
@@ -105,10 +105,11 @@ def _id(request_id: str, generation: int) -> common_pb.TransferId:
 class GrpcStage:
     """One stage at ``address`` (host:port), over ``glmserve.prefill.v1.Stage``."""
 
-    def __init__(self, address: str, index: int, rpc_timeout_s: float = 60.0) -> None:
+    def __init__(self, address: str, index: int, rpc_timeout_s: float = 60.0,
+                 interceptors: Sequence[grpc.aio.ClientInterceptor] = ()) -> None:
         self.address, self.name = address, f"stage {index} at {address}"
         self._timeout_s = rpc_timeout_s
-        self._channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        self._channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS, interceptors=list(interceptors))
         self._stub = pb_grpc.StageStub(self._channel)
 
     async def _call(self, rpc: Callable[..., Awaitable[T]], request: object, timeout_s: float | None = None,

@@ -24,12 +24,14 @@ from glmserve.kv.transfer import make_backend
 from glmserve.model.config import GlmConfig
 from glmserve.model.layer_split import LayerSplitPlan, parse_layer_split, plan_layer_split
 from glmserve.proto_gen.glmserve.prefill.v1 import prefill_pb2, prefill_pb2_grpc, stage_pb2, stage_pb2_grpc
+from glmserve.services.host_metrics import HostTierMetrics
 from glmserve.services.prefill.replica import ReplicaSettings, StagedPrefill
 from glmserve.services.prefill.servicer import PrefillServicer
 from glmserve.services.prefill.stage_client import GrpcStage
 from glmserve.services.prefill.stage_job import StageSettings
 from glmserve.services.prefill.stage_servicer import StageServicer
 from glmserve.services.prefill.stage_worker import StageWorker
+from glmserve.services.tracing import Tracing
 from glmserve.services.worker_metrics import WorkerMetrics
 from glmserve.services.worker_server import serve_worker, start_block_events
 
@@ -66,11 +68,16 @@ async def serve_stage(config: PrefillConfig) -> int:
             stage.add_block_listener(publisher)
         return stage
 
+    tracing = Tracing.from_env("prefill")  # the stage calls carry the request's trace like every hop
     kv = make_backend(config.transfer, host=config.host, timeout_s=config.transfer_timeout_s)
     activations = make_backend(kv.kind, host=config.host, timeout_s=config.transfer_timeout_s)
-    following = GrpcStage(addresses[index + 1], index + 1) if not settings.is_last else None
+    following = (GrpcStage(addresses[index + 1], index + 1, interceptors=tracing.client_interceptors())
+                 if not settings.is_last else None)
+    # the head's metrics (its host-tier blocks stand for the replica's: every stage writes a slice of each)
+    metrics = WorkerMetrics("prefill", config.worker_id, lambda: worker.engine.snapshot) if index == 0 else None
     worker = StageWorker(engine, kv, activations, settings, following,
-                         host=dataclasses.replace(host, worker_id=holder) if host is not None else None)
+                         host=dataclasses.replace(host, worker_id=holder) if host is not None else None,
+                         host_metrics=HostTierMetrics(metrics.registry) if metrics is not None else None)
     stage_servicer = StageServicer(worker)
     name = f"prefill stage {index}/{len(addresses)} of {config.worker_id} (layers {settings.layers.start}-" \
            f"{settings.layers.stop - 1}, {kv.kind} transfer)"
@@ -78,10 +85,10 @@ async def serve_stage(config: PrefillConfig) -> int:
         def add(server: grpc.aio.Server) -> None:
             stage_pb2_grpc.add_StageServicer_to_server(stage_servicer, server)
 
-        return await serve_worker(config, worker, add, None, publisher, name, role="prefill",
+        return await serve_worker(config, worker, add, None, publisher, name, role="prefill", tracing=tracing,
                                   service=stage_pb2.DESCRIPTOR.services_by_name["Stage"].full_name)
-    metrics = WorkerMetrics("prefill", config.worker_id, lambda: worker.engine.snapshot)
-    others = [GrpcStage(a, k) for k, a in enumerate(addresses) if k > 0]
+    assert metrics is not None
+    others = [GrpcStage(a, k, interceptors=tracing.client_interceptors()) for k, a in enumerate(addresses) if k > 0]
     head = StagedPrefill(worker, others, ReplicaSettings(kv.kind, config.chunk_tokens, config.stream_min_tokens),
                          metrics=metrics)
     prefill_servicer = PrefillServicer(head, config.worker_id)
@@ -91,4 +98,4 @@ async def serve_stage(config: PrefillConfig) -> int:
         stage_pb2_grpc.add_StageServicer_to_server(stage_servicer, server)
 
     return await serve_worker(config, head, add_head, metrics.registry, publisher, name, role="prefill",
-                              service=prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name)
+                              tracing=tracing, service=prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name)

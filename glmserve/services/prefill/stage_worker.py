@@ -38,6 +38,7 @@ from glmserve.kv.transfer import (
     TransferStamp,
 )
 from glmserve.services.engine_host import EngineHost
+from glmserve.services.host_metrics import HostTierMetrics
 from glmserve.services.host_tier_link import HostTierLink, HostTierSettings, LoadAborted, Loaded
 from glmserve.services.liveness import EngineWatch
 from glmserve.services.prefill.activations import ActivationShape, ActivationSlots
@@ -61,8 +62,10 @@ LINGER_S = 60.0  # an ended job nobody asked about is forgotten after this
 class StageWorker:
     def __init__(self, engine_factory: Callable[[], StageEngine], kv_backend: KVTransferBackend,
                  activation_backend: KVTransferBackend, settings: StageSettings,
-                 next_stage: NextStage | None, host: HostTierSettings | None = None) -> None:
-        """``host``: this stage's slices of the kvstore's host tier (load-back, write-through)."""
+                 next_stage: NextStage | None, host: HostTierSettings | None = None,
+                 host_metrics: HostTierMetrics | None = None) -> None:
+        """``host``: this stage's slices of the kvstore's host tier (load-back, write-through), counted
+        in ``host_metrics`` when given (the head's: the only stage with a metrics endpoint)."""
         self._engine = EngineHost(engine_factory, name=f"stage-{settings.index}-engine")
         self._watch = EngineWatch(self._engine)
         self._kv, self._act = kv_backend, activation_backend
@@ -74,7 +77,7 @@ class StageWorker:
         self._sender: ChunkSender | None = None
         self._receiver: ChunkReceiver | None = None
         part = (settings.index, settings.num_stages) if settings.num_stages > 1 else None
-        self._host = HostTierLink(host, kv_backend, self._engine, None, part=part) if host is not None else None
+        self._host = HostTierLink(host, kv_backend, self._engine, host_metrics, part=part) if host is not None else None
         self._window: BlockWindow | None = None
         self._buffer: torch.Tensor | None = None
         self.activation_target = b""

@@ -1,4 +1,4 @@
-"""`glmserve serve` as a subprocess for deployment tests, on ports fixed before it starts (a base of
+"""`glmserve serve` as a subprocess for end-to-end tests, on ports fixed before it starts (a base of
 consecutive metrics ports, then the router's HTTP port), so a Prometheus config can name every target
 up front. Its stdout lines tell the children's pids and addresses, and restarts."""
 
@@ -118,8 +118,14 @@ class ServePlatform:
         except httpx.TransportError:
             return False
 
-    def kill(self, name: str) -> None:
+    def ready(self) -> dict:
+        """The router's /ready body (per-role worker health)."""
+        return httpx.get(f"{self.url}/ready", timeout=5).json()
+
+    def kill(self, name: str) -> float:
+        """SIGKILL child ``name``; the monotonic time it was sent."""
         os.kill(self.pids[name], signal.SIGKILL)
+        return time.monotonic()
 
     def stop(self) -> int:
         if self.proc.poll() is None:
