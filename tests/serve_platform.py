@@ -55,13 +55,15 @@ def free_port_run(count: int) -> int:
 class ServePlatform:
     """`glmserve serve --port PORT --metrics-port BASE ...` with one line queue of its stdout."""
 
-    def __init__(self, log: Path, *args: str, prefill: int = 1, decode: int = 1, env: dict[str, str] | None = None):
-        self.prefill, self.decode = prefill, decode
-        self.metrics_base = free_port_run(2 + prefill + decode)  # kvstore, workers, then the router
-        self.port = self.metrics_base + 1 + prefill + decode
+    def __init__(self, log: Path, *args: str, prefill: int = 1, decode: int = 1, stages: int = 1,
+                 env: dict[str, str] | None = None):
+        self.prefill, self.decode, self.stages = prefill, decode, stages
+        children = 1 + prefill + decode + prefill * (stages - 1)  # kvstore, workers, LayerSplit stages 1..
+        self.metrics_base = free_port_run(children + 1)  # then the router's HTTP port
+        self.port = self.metrics_base + children
         cmd = [sys.executable, "-m", "glmserve.cli", "serve", "--model", str(MODEL_DIR), "--port", str(self.port),
                "--metrics-port", str(self.metrics_base), "--prefill-workers", str(prefill),
-               "--decode-workers", str(decode), *args]
+               "--decode-workers", str(decode), "--prefill-stages", str(stages), *args]
         child_env = {**os.environ, "PYTHONPATH": str(REPO), "NIXL_LOG_LEVEL": "WARN", **(env or {})}
         self._log = log.open("w")
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=child_env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
@@ -78,10 +80,11 @@ class ServePlatform:
     def metrics_targets(self) -> dict[str, list[str]]:
         """Prometheus job -> targets, as the compose config names them."""
         base, p = self.metrics_base, self.prefill
+        stage_ports = range(base + 1 + p + self.decode, self.port)
         return {
             "glmserve-router": [f"127.0.0.1:{self.port}"],
             "glmserve-kvstore": [f"127.0.0.1:{base}"],
-            "glmserve-prefill": [f"127.0.0.1:{base + 1 + i}" for i in range(p)],
+            "glmserve-prefill": [f"127.0.0.1:{port}" for port in (*range(base + 1, base + 1 + p), *stage_ports)],
             "glmserve-decode": [f"127.0.0.1:{base + 1 + p + j}" for j in range(self.decode)],
         }
 

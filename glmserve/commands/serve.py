@@ -52,10 +52,12 @@ class ServeConfig:
     ready_timeout_s: float = 300.0
     drain_timeout_s: float = 30.0  # how long a stopping child may let running requests finish
     restart: RestartPolicy = field(default_factory=RestartPolicy)
-    metrics_port_base: int = 0  # kvstore here, prefill-i at +1+i, decode-j after them; 0: free ports
+    metrics_port_base: int = 0  # kvstore here, prefill-i at +1+i, decode-j, then LayerSplit stages; 0: free
     prefill_stages: int = 1  # LayerSplit: stage processes per prefill worker
     prefill_layer_split: str | None = None  # explicit stage ranges (else the planner's)
     routing: str = "cache_aware"  # the router's --routing (checked by the router)
+    reasoning_parser: str = "glm45"  # the router's --reasoning-parser (checked by the router)
+    migration_limit: int = 3  # the router's --migration-limit (0: streams never resume elsewhere)
 
     def __post_init__(self) -> None:
         if not (self.model / "config.json").is_file():
@@ -68,17 +70,19 @@ class ServeConfig:
             raise ValueError(f"transfer: must be auto, nixl or tcp, got {self.transfer!r}")
         if self.host_tier_bytes < 0:
             raise ValueError(f"host_tier_bytes: must be >= 0, got {self.host_tier_bytes}")
-        last = self.metrics_port_base + self.prefill_workers + self.decode_workers
-        if self.metrics_port_base and not (0 < self.metrics_port_base and last <= 65535):
-            raise ValueError(f"metrics_port_base: {self.metrics_port_base} + one port per child must fit in "
-                             "[1, 65535]")
         if self.ready_timeout_s <= 0:
             raise ValueError(f"ready_timeout_s: must be > 0, got {self.ready_timeout_s}")
         if self.drain_timeout_s < 0:
             raise ValueError(f"drain_timeout_s: must be >= 0, got {self.drain_timeout_s}")
         if self.prefill_stages < 1:
             raise ValueError(f"prefill_stages: must be >= 1, got {self.prefill_stages}")
+        if self.migration_limit < 0:
+            raise ValueError(f"migration_limit: must be >= 0, got {self.migration_limit}")
         self.layer_plan()  # ValueError naming prefill_stages or prefill_layer_split
+        last = self.metrics_port_base + self.num_metrics_ports - 1
+        if self.metrics_port_base and not (0 < self.metrics_port_base and last <= 65535):
+            raise ValueError(f"metrics_port_base: {self.metrics_port_base} + one port per child must fit in "
+                             "[1, 65535]")
 
     def layer_plan(self):
         """The LayerSplit plan every prefill worker's stages follow (None: one process each)."""
@@ -109,10 +113,20 @@ class ServeConfig:
                    metrics_port_base=getattr(args, "metrics_port_base", 0),
                    prefill_stages=getattr(args, "prefill_stages", 1),
                    prefill_layer_split=getattr(args, "prefill_layer_split", None),
-                   routing=getattr(args, "routing", cls.routing))
+                   routing=getattr(args, "routing", cls.routing),
+                   reasoning_parser=getattr(args, "reasoning_parser", cls.reasoning_parser),
+                   migration_limit=getattr(args, "migration_limit", cls.migration_limit))
+
+    @property
+    def num_metrics_ports(self) -> int:
+        """kvstore, every worker, then stages 1.. of every LayerSplit prefill worker."""
+        layers = self.layer_plan()
+        stages = len(layers.stages) if layers is not None else 1
+        return 1 + self.prefill_workers + self.decode_workers + self.prefill_workers * (stages - 1)
 
     def metrics_port(self, index: int) -> int | None:
-        """The fixed metrics port of child ``index`` (kvstore 0, prefill 1..P, decode after); None: free."""
+        """The fixed metrics port of child ``index`` (kvstore 0, prefill 1..P, decode after them, then
+        stage k >= 1 of prefill-i at 1+P+D + i*(stages-1) + k-1); None: a free one."""
         return self.metrics_port_base + index if self.metrics_port_base else None
 
 
@@ -132,6 +146,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", action="append", default=[], help="require this key (repeatable)")
     p.add_argument("--routing", choices=["cache_aware", "least_loaded", "round_robin"], default="cache_aware",
                    help="how the router picks a prefill worker")
+    p.add_argument("--reasoning-parser", choices=["glm45", "none"], default=ServeConfig.reasoning_parser,
+                   help="glm45: chat answers carry <think> blocks as reasoning_content; none: in the content")
+    p.add_argument("--migration-limit", type=int, default=ServeConfig.migration_limit,
+                   help="how often a stream whose decode worker died may resume on another one (0: never)")
     p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for every service")
     p.add_argument("--drain-timeout", type=float, default=ServeConfig.drain_timeout_s,
                    help="on stop, seconds each service lets running requests finish")
@@ -141,7 +159,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="longest wait before restarting a service (the wait doubles per restart)")
     p.add_argument("--metrics-port", type=int, default=0, dest="metrics_port_base",
                    help="fixed metrics ports from BASE: kvstore BASE, prefill-i BASE+1+i, then decode-j "
-                   "after the prefill workers (0: free ports; the router's are on its HTTP port)")
+                   "after the prefill workers, then LayerSplit stages 1.. of each prefill worker in order "
+                   "(0: free ports; the router's are on its HTTP port)")
 
 
 def free_ports(host: str, n: int) -> list[int]:
@@ -192,8 +211,9 @@ def plan(cfg: ServeConfig) -> list[ChildSpec]:
                for i in range(count)]
     layers = cfg.layer_plan()
     extra_stages = cfg.prefill_workers * (len(layers.stages) - 1) if layers is not None else 0
-    free = iter(free_ports(cfg.host, 2 * (1 + len(workers)) + 1 + extra_stages))
-    metrics = [cfg.metrics_port(i) or next(free) for i in range(1 + len(workers))]  # kvstore, then workers
+    free = iter(free_ports(cfg.host, 2 * (1 + len(workers)) + 1 + 2 * extra_stages))
+    metrics = [cfg.metrics_port(i) or next(free) for i in range(1 + len(workers) + extra_stages)]
+    stage_metrics = iter(metrics[1 + len(workers):])  # stages 1.. of each prefill worker, in order
     kv_port, router_port = next(free), cfg.port or next(free)
     kv = f"{cfg.host}:{kv_port}"
     labels = ("--served-model-name", cfg.model.name)  # the model_name label of their metrics
@@ -204,7 +224,7 @@ def plan(cfg: ServeConfig) -> list[ChildSpec]:
         "--metrics-port", str(metrics[0]), *labels, *redis, *host_tier), kv, metrics[0], STOP_RANKS["kvstore"],
         ready=kvstore_ready(kv))]
     addresses: dict[str, list[str]] = {"prefill": [], "decode": []}
-    for (kind, i), metrics_port in zip(workers, metrics[1:], strict=True):
+    for (kind, i), metrics_port in zip(workers, metrics[1:1 + len(workers)], strict=True):
         address = f"{cfg.host}:{next(free)}"
         addresses[kind].append(address)
         argv = (py, "-m", _WORKER_MODULES[kind], "--model", str(cfg.model), "--host", cfg.host,
@@ -212,7 +232,8 @@ def plan(cfg: ServeConfig) -> list[ChildSpec]:
                 "--drain-timeout-s", str(cfg.drain_timeout_s), *labels)
         if kind == "prefill" and layers is not None:
             stages = [address, *(f"{cfg.host}:{next(free)}" for _ in layers.stages[1:])]
-            specs += stage_specs(f"{kind}-{i}", argv, stages, layers.spec(), metrics_port)
+            ports = [metrics_port, *(next(stage_metrics) for _ in layers.stages[1:])]
+            specs += stage_specs(f"{kind}-{i}", argv, stages, layers.spec(), ports)
             continue
         specs.append(ChildSpec(f"{kind}-{i}", kind, (
             *argv, "--port", address.rsplit(":", 1)[1], "--metrics-port", str(metrics_port)),
@@ -221,25 +242,24 @@ def plan(cfg: ServeConfig) -> list[ChildSpec]:
     specs.append(ChildSpec("router", "router", (
         py, "-m", "glmserve.services.router.main", "--model", str(cfg.model), "--host", cfg.host,
         "--port", str(router_port), "--kvstore", kv, "--prefill", ",".join(addresses["prefill"]),
-        "--decode", ",".join(addresses["decode"]), "--routing", cfg.routing,
-        "--drain-timeout-s", str(cfg.drain_timeout_s),
+        "--decode", ",".join(addresses["decode"]), "--routing", cfg.routing, "--reasoning-parser", cfg.reasoning_parser,
+        "--drain-timeout-s", str(cfg.drain_timeout_s), "--migration-limit", str(cfg.migration_limit),
         *[a for key in cfg.api_keys for a in ("--api-key", key)]),
         url, None, STOP_RANKS["router"], ready=http_ok(f"{url}/ready")))
     return specs
 
 
 def stage_specs(name: str, argv: tuple[str, ...], addresses: list[str], split: str,
-                metrics_port: int) -> list[ChildSpec]:
+                metrics_ports: list[int]) -> list[ChildSpec]:
     """One LayerSplit prefill worker: a process per stage on fixed ports (each is told them all, so
     a restarted stage comes back where the others look for it); stage 0, the head, serves Prefill
-    under the worker's name and has its metrics."""
+    under the worker's name. Every stage has its metrics (its engine, its process)."""
     specs = []
-    for k, address in enumerate(addresses):
+    for k, (address, metrics_port) in enumerate(zip(addresses, metrics_ports, strict=True)):
         stage = ("--port", address.rsplit(":", 1)[1], "--stage-index", str(k), "--stage-addresses",
-                 ",".join(addresses), "--layer-split", split)
-        metrics = ("--metrics-port", str(metrics_port)) if k == 0 else ()
-        specs.append(ChildSpec(name if k == 0 else f"{name}.s{k}", "prefill", (*argv, *stage, *metrics), address,
-                               metrics_port if k == 0 else None, STOP_RANKS["prefill"]))
+                 ",".join(addresses), "--layer-split", split, "--metrics-port", str(metrics_port))
+        specs.append(ChildSpec(name if k == 0 else f"{name}.s{k}", "prefill", (*argv, *stage), address,
+                               metrics_port, STOP_RANKS["prefill"]))
     return specs
 
 

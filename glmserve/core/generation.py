@@ -70,6 +70,11 @@ class SamplingParams:
       draft verification, whatever the bias); the router bans the tool-call markup for
       ``tool_choice="none"``.
     - ``grammar``: the output must match it (`GrammarSpec`); None = free.
+    - ``num_resumed``: the last ``num_resumed`` prompt ids are this request's own output from an
+      earlier attempt (a stream migrated off a decode worker that died): their text was already
+      sent (the engine makes it again, for stop strings and characters across the seam, but does
+      not emit it), and penalties and the grammar count them as output. ``max_tokens`` is what is
+      left. 0 for every request a client sends.
 
     Order of processing: logit_bias, repetition, presence and frequency penalties, the banned
     tokens, the grammar mask (on the logits, greedy rows too), then temperature, min_p, top-k, top-p (sampled rows).
@@ -93,6 +98,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     grammar: GrammarSpec | None = None
     banned_token_ids: tuple[int, ...] = ()
+    num_resumed: int = 0
 
     def __post_init__(self) -> None:
         # Normalise list inputs to tuples before validating (frozen: bypass __setattr__).
@@ -164,6 +170,8 @@ class SamplingParams:
             raise ValueError(f"banned_token_ids: must be a sequence of ints >= 0, got {self.banned_token_ids!r}")
         if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
             raise ValueError(f"grammar: must be a GrammarSpec or None, got {type(self.grammar).__name__}")
+        if not _is_int(self.num_resumed) or self.num_resumed < 0:
+            raise ValueError(f"num_resumed: must be an int >= 0, got {self.num_resumed!r}")
 
     @property
     def is_greedy(self) -> bool:
@@ -195,6 +203,9 @@ def check_prompt(prompt_ids: list[int], params: SamplingParams, vocab_size: int,
     bad = [t for t in prompt_ids if not 0 <= t < vocab_size]
     if bad:
         raise ValueError(f"prompt_ids: token ids out of range [0, {vocab_size}): {bad[:5]}")
+    if params.num_resumed >= len(prompt_ids):
+        raise ValueError(f"prompt_ids: {len(prompt_ids)} tokens cannot hold num_resumed={params.num_resumed} "
+                         "resumed output tokens and a prompt")
     if len(prompt_ids) + params.max_tokens > max_positions:
         raise ValueError(f"prompt_ids: {len(prompt_ids)} tokens plus max_tokens {params.max_tokens} "
                          f"exceed the model's {max_positions} positions")

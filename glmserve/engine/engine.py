@@ -141,6 +141,8 @@ class Engine:
         req.stop_checker = StopChecker(params, self.eos_ids)
         if self.tokenizer is not None:
             req.output_text = OutputText(self.tokenizer, params, req.stop_checker)
+            if params.num_resumed:  # a migrated stream: its text so far was sent already
+                req.output_text.resume(req.prompt_ids[-params.num_resumed:])
         return req
 
     def abort(self, request_id: str) -> bool:

@@ -75,11 +75,12 @@ class LogitsProcessor:
             from glmserve.engine.grammar_matcher import RequestGrammar
 
             cache = self.grammars
-            grammar = RequestGrammar.from_tokens(cache.get(p.grammar), p.grammar, cache.tokens, req.output_ids)
+            grammar = RequestGrammar.from_tokens(cache.get(p.grammar), p.grammar, cache.tokens, req.generated_ids)
         seen = counts = None
         if p.has_penalties:
             counts = torch.zeros(self.vocab_size)
-            counts.index_add_(0, torch.tensor(req.output_ids, dtype=torch.long), torch.ones(len(req.output_ids)))
+            generated = req.generated_ids
+            counts.index_add_(0, torch.tensor(generated, dtype=torch.long), torch.ones(len(generated)))
             if p.repetition_penalty != 1.0:
                 seen = torch.zeros(self.vocab_size, dtype=torch.bool)
                 seen[torch.tensor(req.token_ids, dtype=torch.long)] = True

@@ -78,6 +78,12 @@ class Request:
         self.token_ids.extend(token_ids)
 
     @property
+    def generated_ids(self) -> list[int]:
+        """The request's output, including what an earlier attempt generated (the prompt's last
+        ``params.num_resumed`` ids): what penalties and the grammar count."""
+        return self.token_ids[len(self.prompt_ids) - self.params.num_resumed:]
+
+    @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
 

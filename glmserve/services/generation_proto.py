@@ -35,6 +35,7 @@ def sampling_to_proto(params: SamplingParams) -> common_pb.Sampling:
         frequency_penalty=params.frequency_penalty,
         logit_bias=[common_pb.LogitBias(token_id=t, bias=b) for t, b in params.logit_bias],
         banned_token_ids=list(params.banned_token_ids),
+        num_resumed=params.num_resumed,
     )
     if params.repetition_penalty != 1.0:
         message.repetition_penalty = params.repetition_penalty
@@ -67,6 +68,7 @@ def sampling_from_proto(message: common_pb.Sampling) -> SamplingParams:
         logit_bias=tuple((b.token_id, b.bias) for b in message.logit_bias),
         grammar=grammar_from_proto(message.grammar) if message.HasField("grammar") else None,
         banned_token_ids=tuple(message.banned_token_ids),
+        num_resumed=message.num_resumed,
     )
 
 

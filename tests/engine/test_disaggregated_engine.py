@@ -88,3 +88,24 @@ def test_prefilled_hidden_of_the_wrong_size_is_refused(model):
     with pytest.raises(ValueError, match="^mtp_hidden:"):
         decode.add_prefilled("r", [1, 2, 3], SamplingParams(max_tokens=2), bad)
     assert decode.release("r") and decode.pool.num_used == 0  # the reservation stayed until released
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(max_tokens=20, temperature=0.0),
+    SamplingParams(max_tokens=20, temperature=0.0, presence_penalty=1.5, frequency_penalty=0.7),
+], ids=["free", "penalties"])
+def test_a_resumed_request_goes_on_as_the_uninterrupted_one(model, params):
+    """A stream migrated after ``k`` tokens (`SamplingParams.num_resumed`): prompt plus those tokens
+    through prefill and decode again gives the rest of the uninterrupted output (greedy), with the
+    penalties counting the resumed tokens as output."""
+    prefill, decode, alone = _engine(model, 2), _engine(model, 2), _engine(model, 2)
+    prompt = prompts(1, seed=9, min_len=20, max_len=40)[0]
+    whole = alone.generate([prompt], params)[0].output_ids
+    assert len(whole) > 8
+    for k in (1, 7):
+        resumed = dataclasses.replace(params, max_tokens=params.max_tokens - k, num_resumed=k)
+        events = [_ship(prefill, decode, f"r{k}", prompt + whole[:k], resumed)]
+        while decode.has_unfinished():
+            events += decode.step()
+        assert [t for e in events for t in e.token_ids] == whole[k:]
+    assert decode.pool.num_used == 0

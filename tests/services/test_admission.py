@@ -143,8 +143,36 @@ def test_a_request_that_found_every_worker_full_waits_for_one_to_end() -> None:
     run(scenario())
 
 
+def test_a_request_whose_workers_were_unreachable_tries_again_until_its_deadline() -> None:
+    async def scenario() -> None:
+        q, registry = make(retry_poll_s=0.05, max_wait_s=0.3)
+        ticket = await q.admit("t", 0, asyncio.Event())
+        loop = asyncio.get_running_loop()
+        start, tries = loop.time(), 0
+        while await ticket.wait_to_retry(asyncio.Event()):  # keeping its slot
+            tries += 1
+            assert q.running == 1
+        assert 0.25 < loop.time() - start < 1.0 and tries >= 3
+        assert rejections(registry, "queue_timeout") == 0  # the caller answers 503, not a queue 429
+        gone = asyncio.Event()
+        gone.set()
+        other = await q.admit("t", 0, asyncio.Event())
+        with pytest.raises(ClientGone):
+            await other.wait_to_retry(gone)
+        q.drain()
+        with pytest.raises(Rejected) as refused:
+            await other.wait_to_retry(asyncio.Event())
+        assert refused.value.status == 503
+        ticket.release()
+        other.release()
+
+    run(scenario())
+
+
 def test_config_fields_are_checked() -> None:
     with pytest.raises(ValueError, match="max_queued"):
         AdmissionConfig(max_queued=0)
     with pytest.raises(ValueError, match="max_wait_s"):
         AdmissionConfig(max_wait_s=0)
+    with pytest.raises(ValueError, match="retry_poll_s"):
+        AdmissionConfig(retry_poll_s=0)

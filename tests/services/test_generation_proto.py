@@ -44,7 +44,7 @@ def test_sampling_round_trip():
 def test_processing_and_grammar_round_trip(grammar):
     params = SamplingParams(max_tokens=9, min_p=0.1, repetition_penalty=1.3, presence_penalty=-0.5,
                             frequency_penalty=2.0, logit_bias={5: -100.0, 2: 3.5}, grammar=grammar,
-                            banned_token_ids=(12, 13))
+                            banned_token_ids=(12, 13), num_resumed=4)
     assert sampling_from_proto(sampling_to_proto(params)) == params
     assert sampling_from_proto(sampling_to_proto(GREEDY)) == GREEDY  # unset repetition_penalty is 1.0
     message = sampling_to_proto(params)

@@ -27,7 +27,7 @@ from glmserve.proto_gen.glmserve.decode.v1 import decode_pb2 as decode_pb
 from glmserve.proto_gen.glmserve.decode.v1 import decode_pb2_grpc as decode_grpc
 from glmserve.proto_gen.glmserve.prefill.v1 import prefill_pb2 as prefill_pb
 from glmserve.proto_gen.glmserve.prefill.v1 import prefill_pb2_grpc as prefill_grpc
-from glmserve.services.router.backend import BackendUnavailable
+from glmserve.services.router.backend import BackendUnavailable, WorkerUnreachable
 from glmserve.services.router.grpc_backend import DisaggregatedBackend
 
 REPO = Path(__file__).resolve().parents[2]
@@ -37,12 +37,17 @@ TOKENS = [11, 12, 13, 14, 15]
 class FakeDecode(decode_grpc.DecodeServicer):
     """Streams ``tokens`` (one per event, ``delay_s`` apart, at most max_tokens) with ``texts`` (a
     text per token, as a decode worker makes it); records requests and the request ids whose call
-    was cancelled; ``fail`` refuses every Generate with that code."""
+    was cancelled; ``fail`` refuses every Generate with that code; the first ``unprefilled`` calls
+    end with ABORTED (as a decode worker whose channel to a restarted prefill worker reconnects);
+    ``counting``: the tokens count on from the prompt's last id (a resumed prompt goes on where it
+    stopped, as greedy decoding does)."""
 
     def __init__(self, tokens: list[int], delay_s: float = 0.01, free_blocks: int = 100,
-                 fail: grpc.StatusCode | None = None, texts: list[str] | None = None):
+                 fail: grpc.StatusCode | None = None, texts: list[str] | None = None, unprefilled: int = 0,
+                 counting: bool = False):
         self.tokens, self.delay_s, self.free_blocks, self.fail = tokens, delay_s, free_blocks, fail
         self.texts = texts or [""] * len(tokens)
+        self.unprefilled, self.counting = unprefilled, counting
         self.requests: list[decode_pb.GenerateRequest] = []
         self.running: set[str] = set()
         self.cancelled: list[str] = []
@@ -51,18 +56,25 @@ class FakeDecode(decode_grpc.DecodeServicer):
         self.requests.append(request)
         if self.fail is not None:
             await context.abort(self.fail, "fake refusal")
+        if len(self.requests) <= self.unprefilled:
+            await context.abort(grpc.StatusCode.ABORTED, "prefill worker 127.0.0.1:1 failed or is unreachable: "
+                                "failed to connect to all addresses")
         rid = request.transfer.request_id
         self.running.add(rid)
-        n = min(len(self.tokens), request.sampling.max_tokens)
+        tokens, texts, cached = self.tokens, self.texts, 2
+        if self.counting:  # a model that counts on from the prompt's last id
+            tokens = [request.prompt_ids[-1] + 1 + i for i in range(request.sampling.max_tokens)]
+            texts, cached = [""] * len(tokens), len(request.prompt_ids)
+        n = min(len(tokens), request.sampling.max_tokens)
         try:
-            for i, token in enumerate(self.tokens[:n]):
+            for i, token in enumerate(tokens[:n]):
                 await asyncio.sleep(self.delay_s)
                 last = i == n - 1
                 reason = ("length" if n == request.sampling.max_tokens else "stop") if last else ""
                 yield decode_pb.GenerateEvent(
-                    token_ids=[token], text=self.texts[i],
+                    token_ids=[token], text=texts[i],
                     logprobs=[-0.5] if request.sampling.HasField("logprobs") else [],
-                    finish_reason=reason, num_cached_tokens=2,
+                    finish_reason=reason, num_cached_tokens=cached,
                 )
         except asyncio.CancelledError:
             self.cancelled.append(rid)
@@ -211,15 +223,79 @@ def test_refused_before_the_first_event_retries_elsewhere_with_a_new_generation(
     run(scenario)
 
 
+def test_a_decode_worker_that_could_not_reach_prefill_is_tried_again_not_failed() -> None:
+    async def scenario() -> None:
+        decode = FakeDecode(TOKENS, unprefilled=2)
+        server, addr = await start_fake(decode=decode, prefill=FakePrefill())
+        backend = DisaggregatedBackend([addr], [addr], poll_interval_s=0.05)
+        await backend.start()
+        await eventually(backend.ready)
+        for _ in range(2):  # nothing was generated: "try again in a moment", not an error event
+            with pytest.raises(WorkerUnreachable):
+                await collect(backend.generate("u1", [1], SamplingParams(max_tokens=2)))
+            assert healthy(backend, addr)  # the decode worker is not at fault
+        events = await collect(backend.generate("u1", [1], SamplingParams(max_tokens=2)))
+        assert [e.token_ids for e in events] == [[11], [12]]
+        await backend.close()
+        await server.stop(None)
+
+    run(scenario)
+
+
+async def _stream_through_a_death(migration_limit: int) -> tuple[list[TokenEvent], FakeDecode]:
+    """A 40-token stream from a counting fake, whose server stops after 5 tokens; another counting
+    fake stays. Returns the stream's events and the one that stayed."""
+    doomed, staying = FakeDecode([], delay_s=0.02, free_blocks=500, counting=True), FakeDecode([], counting=True)
+    s1, doomed_addr = await start_fake(decode=doomed)
+    s2, staying_addr = await start_fake(decode=staying, prefill=FakePrefill())
+    backend = DisaggregatedBackend([doomed_addr, staying_addr], [staying_addr], poll_interval_s=0.05,
+                                   migration_limit=migration_limit)
+    await backend.start()
+    await eventually(lambda: healthy(backend, doomed_addr) and healthy(backend, staying_addr))
+    stream = backend.generate("m1", [7, 1000], SamplingParams(max_tokens=40, temperature=0.0, logprobs=0))
+    events = [await anext(stream) for _ in range(5)]  # on the doomed one: more free blocks
+    await s1.stop(None)  # its calls end at once: as a killed worker's
+    events += await collect(stream)
+    await backend.close()
+    await s2.stop(None)
+    return events, staying
+
+
+def test_a_stream_whose_decode_worker_dies_resumes_on_another() -> None:
+    async def scenario() -> None:
+        events, staying = await _stream_through_a_death(migration_limit=3)
+        assert [t for e in events for t in e.token_ids] == list(range(1001, 1041))  # as in one run
+        assert events[-1].finish_reason == "length" and not any(e.error for e in events)
+        assert all(e.num_cached_tokens == 2 and e.logprobs == [-0.5] for e in events)  # the first attempt's
+        resumed = staying.requests[0]
+        n = len(resumed.prompt_ids) - 2
+        assert list(resumed.prompt_ids) == [7, 1000, *range(1001, 1001 + n)] and n >= 5
+        assert (resumed.sampling.max_tokens, resumed.sampling.num_resumed) == (40 - n, n)
+
+    run(scenario)
+
+
+def test_without_migration_a_dead_decode_worker_ends_the_stream_with_an_error() -> None:
+    async def scenario() -> None:
+        events, staying = await _stream_through_a_death(migration_limit=0)
+        assert events[-1].finish_reason == "error" and "decode worker" in events[-1].error
+        tokens = [t for e in events for t in e.token_ids]
+        assert 5 <= len(tokens) < 40 and tokens == list(range(1001, 1001 + len(tokens))) and not staying.requests
+
+    run(scenario)
+
+
 # --- a fake worker in its own process --------------------------------------------------------------
 
 
 def start_fake_process(port: int = 0, tokens: list[int] = TOKENS, delay_s: float = 0.01,
-                       free_blocks: int = 100, with_text: bool = False) -> tuple[subprocess.Popen[str], str]:
+                       free_blocks: int = 100, with_text: bool = False,
+                       unprefilled: int = 0) -> tuple[subprocess.Popen[str], str]:
     """This file as a script: a fake decode + prefill server; returns (process, host:port).
     ``with_text``: events carry the tokens' text (the bundled model's tokenizer)."""
     cmd = [sys.executable, __file__, "--port", str(port), "--tokens", ",".join(map(str, tokens)),
-           "--delay", str(delay_s), "--free-blocks", str(free_blocks), *(["--with-text"] if with_text else [])]
+           "--delay", str(delay_s), "--free-blocks", str(free_blocks), "--unprefilled", str(unprefilled),
+           *(["--with-text"] if with_text else [])]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env, cwd=REPO)
     line = proc.stdout.readline()
@@ -238,7 +314,8 @@ def test_decode_death_mid_stream_errors_promptly_then_recovers() -> None:
     other, other_addr = start_fake_process(free_blocks=100)
     try:
         async def scenario() -> None:
-            backend = DisaggregatedBackend([doomed_addr, other_addr], [other_addr], poll_interval_s=0.1)
+            backend = DisaggregatedBackend([doomed_addr, other_addr], [other_addr], poll_interval_s=0.1,
+                                           migration_limit=0)  # the stream is not resumed elsewhere
             await backend.start()
             await eventually(lambda: healthy(backend, doomed_addr) and healthy(backend, other_addr))
             stream = backend.generate("k1", [1], SamplingParams(max_tokens=300))
@@ -325,6 +402,46 @@ def test_router_streams_through_a_worker_and_reports_its_death_as_an_sse_error()
         stop_process(proc)
 
 
+def test_a_worker_restarting_behind_its_address_is_a_wait_or_a_503_never_a_500() -> None:
+    """Requests sent while the only worker is down, while it comes back on the same port and while
+    its first calls cannot be prefilled (ABORTED): each answer is a 200 or a 503 with Retry-After."""
+    from router_fixtures import MODEL_DIR, serve
+
+    from glmserve.text.tokenizer import Tokenizer
+
+    tokens = Tokenizer.from_dir(MODEL_DIR).encode(" hello there")
+    proc, addr = start_fake_process(tokens=tokens, with_text=True)
+    body = {"model": "glm52-tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    statuses: list[int] = []
+
+    def ask() -> int:
+        r = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=30)
+        assert r.status_code in (200, 503), r.text
+        if r.status_code == 503:
+            assert int(r.headers["retry-after"]) >= 1 and r.json()["error"]["type"]
+        else:
+            assert r.json()["choices"][0]["message"]["content"] == " hello there"
+        statuses.append(r.status_code)
+        return r.status_code
+
+    try:
+        with serve(_app(DisaggregatedBackend([addr], [addr], poll_interval_s=0.1))) as base:
+            assert ask() == 200
+            stop_process(proc)
+            deadline = time.monotonic() + 5
+            while ask() != 503:  # the router has seen it go
+                assert time.monotonic() < deadline
+            port = int(addr.rsplit(":", 1)[1])
+            proc, _ = start_fake_process(port=port, tokens=tokens, with_text=True, unprefilled=3)
+            deadline = time.monotonic() + 10
+            while ask() != 200:
+                assert time.monotonic() < deadline
+            assert all(ask() == 200 for _ in range(3))
+    finally:
+        stop_process(proc)
+    assert 500 not in statuses
+
+
 async def _serve_fake(args: argparse.Namespace) -> None:
     tokens = [int(t) for t in args.tokens.split(",") if t]
     from router_fixtures import MODEL_DIR
@@ -332,7 +449,8 @@ async def _serve_fake(args: argparse.Namespace) -> None:
     from glmserve.text.tokenizer import Tokenizer
 
     texts = [Tokenizer.from_dir(MODEL_DIR).decode([t]) for t in tokens] if args.with_text else None
-    decode = FakeDecode(tokens, delay_s=args.delay, free_blocks=args.free_blocks, texts=texts)
+    decode = FakeDecode(tokens, delay_s=args.delay, free_blocks=args.free_blocks, texts=texts,
+                        unprefilled=args.unprefilled)
     server, address = await start_fake(decode=decode, prefill=FakePrefill(), port=args.port)
     print(f"READY {address}", flush=True)
     await server.wait_for_termination()
@@ -345,4 +463,5 @@ if __name__ == "__main__":
     parser.add_argument("--delay", type=float, default=0.01)
     parser.add_argument("--free-blocks", type=int, default=100)
     parser.add_argument("--with-text", action="store_true")
+    parser.add_argument("--unprefilled", type=int, default=0)
     asyncio.run(_serve_fake(parser.parse_args()))

@@ -141,11 +141,20 @@ def test_the_plan_fixes_every_port_on_the_host() -> None:
     router = specs[-1].argv
     assert router[router.index("--prefill") + 1] == ",".join(s.address for s in specs[1:3])
     assert router[router.index("--decode") + 1] == ",".join(s.address for s in specs[3:5])
+    assert router[router.index("--reasoning-parser") + 1] == "glm45"
     assert [s.stop_rank for s in specs] == [2, 1, 1, 1, 1, 0]
     for s in specs[1:5]:
         assert s.argv[s.argv.index("--port") + 1] == s.address.rsplit(":", 1)[1]
     fixed = plan(ServeConfig(MODEL_DIR, prefill_workers=2, decode_workers=2, metrics_port_base=9100))
     assert [s.metrics_port for s in fixed] == [9100, 9101, 9102, 9103, 9104, None]  # kept on every restart
+    staged = plan(ServeConfig(MODEL_DIR, prefill_workers=2, decode_workers=1, prefill_stages=2, metrics_port_base=9100))
+    # every stage has its metrics: the heads at the workers' ports, stages 1.. after the decode workers
+    assert [(s.name, s.metrics_port) for s in staged] == [
+        ("kvstore", 9100), ("prefill-0", 9101), ("prefill-0.s1", 9104), ("prefill-1", 9102), ("prefill-1.s1", 9105),
+        ("decode-0", 9103), ("router", None)]
+    assert all(s.argv[s.argv.index("--metrics-port") + 1] == str(s.metrics_port) for s in staged[:-1])
+    free = [s.metrics_port for s in plan(ServeConfig(MODEL_DIR, prefill_stages=2))][:-1]
+    assert None not in free and len(set(free)) == 4  # free ports, distinct
 
 
 def test_restart_policy_backs_off_and_checks_its_fields() -> None:

@@ -1,9 +1,12 @@
 """kill -9 of a worker under load, through the whole stack: the router, prefill and decode workers
 as real processes on 127.0.0.1 and the unmodified `openai` client, streaming.
 
-The clients whose request was on the killed worker get an error (an SSE error
-event, raised by the client as `openai.APIError`) within seconds, not a hang; the other clients
-finish with exactly the text of an unloaded run (greedy); new requests succeed on the worker left.
+A killed decode worker's streams resume on the other decode worker (stream migration) and finish
+with exactly the text of an unloaded run (greedy); with ``--migration-limit 0`` they get an error
+(an SSE error event, raised by the client as `openai.APIError`) within seconds, not a hang, while
+the other clients finish as unloaded. Requests a killed prefill worker was computing are tried
+again on the other prefill worker (nothing was generated yet), and finish as unloaded. New requests
+succeed on the workers left.
 KV moves over NIXL where it imports (the deployment default), else TCP; a prefill worker killed
 mid-write over each transfer kind is covered worker-level in test_workers_disaggregated.py.
 """
@@ -128,6 +131,12 @@ def _check(results: list[Result], killed: float, reference: list[Result]) -> Non
             assert (r.finish_reason, r.text) == ("length", ref.text)
 
 
+def _check_all_served(results: list[Result], reference: list[Result]) -> None:
+    for r, ref in zip(results, reference, strict=True):
+        assert ref.error is None and ref.finish_reason == "length", f"a request after the kill failed: {ref}"
+        assert (r.error, r.finish_reason, r.text) == (None, "length", ref.text)
+
+
 @pytest.fixture
 def launched(tmp_path: Path):
     """Starts processes for one test and stops (or kills) every one of them at the end."""
@@ -142,18 +151,25 @@ def launched(tmp_path: Path):
         proc.kill()
 
 
-def test_decode_worker_killed_while_streaming(survivors, launched, tmp_path: Path):
+@pytest.mark.parametrize("migration", ["on", "off"])
+def test_decode_worker_killed_while_streaming(survivors, launched, tmp_path: Path, migration: str):
     kind, prefill, decode = survivors
     free = decode.health().free_blocks
     doomed = launched(WorkerProcess.launch("decode", kind, tmp_path / "doomed-decode.log")).ready()
     router = launched(RouterProcess.launch(tmp_path / "router.log", [prefill.address],
-                                           [decode.address, doomed.address], None))
+                                           [decode.address, doomed.address], None,
+                                           *(["--migration-limit", "0"] if migration == "off" else [])))
     time.sleep(0.5)  # two health polls: both decode workers are chosen, not only the first ready one
     requests = [_chat(f"Explain item {i} of the list in json/decoder.py.", 150) for i in range(6)]
     # Kill once every client streams: the doomed worker's clients are mid-stream.
     results, killed = asyncio.run(_kill_during(router, requests, doomed, lambda rs: all(r.chunks for r in rs)))
     assert all(r.chunks > 1 for r in results if r.error is not None)  # they were streaming
-    _check(results, killed, asyncio.run(_solo(router, requests)))
+    reference = asyncio.run(_solo(router, requests))
+    if migration == "on":  # nobody failed: the doomed worker's streams went on on the other one
+        _check_all_served(results, reference)
+        assert "resuming after" in (tmp_path / "router.log").read_text()
+    else:
+        _check(results, killed, reference)
     h = decode.wait_free(free)
     assert (h.free_blocks, h.running) == (free, 0)
 
@@ -168,8 +184,9 @@ def test_prefill_worker_killed_during_prefill(survivors, launched, tmp_path: Pat
     rng = random.Random(5)
     prompts = [[rng.randrange(10, 8000) for _ in range(rng.randrange(1100, 1400))] for _ in range(4)]
     requests = [_completion(p, 12) for p in prompts]
-    # Kill while the doomed worker computes a long prompt: no client has a token yet.
-    results, killed = asyncio.run(_kill_during(router, requests, doomed, lambda rs: True))
-    _check(results, killed, asyncio.run(_solo(router, requests)))
+    # Kill while the doomed worker computes a long prompt: no client has a token yet, so its
+    # requests are tried again (on the other prefill worker) and nobody fails.
+    results, _ = asyncio.run(_kill_during(router, requests, doomed, lambda rs: True))
+    _check_all_served(results, asyncio.run(_solo(router, requests)))
     h = decode.wait_free(free)  # the dead writer's blocks come back after decode's grace period
     assert (h.free_blocks, h.running, h.ready) == (free, 0, True)

@@ -212,6 +212,7 @@ def test_prefill_worker_killed(workers, oracle, tmp_path: Path):
     assert took < 5.0, f"streams took {took:.1f}s to end after the kill"
     failed = [o for o in outs if o.finish_reason == "error"]
     assert failed and all(doomed.address in o.error for o in failed), [o.error for o in outs]
+    assert all(o.retryable for o in failed)  # before any token: ABORTED, the router tries again
     for p, out in zip(ps, outs, strict=True):
         assert out.finish_reason == "error" or out.tokens == oracle(p)
     h = decode.wait_free(free)  # freed after the dead writer's grace period

@@ -137,7 +137,9 @@ class WorkerProcess:
 
 @dataclass
 class Outcome:
-    """What one Generate stream produced."""
+    """What one Generate stream produced. A call ended with ABORTED (the request failed before any
+    token for a reason of its path, e.g. its prefill worker died: the router tries again) reads as
+    finish_reason "error" with the status's details, and ``retryable``."""
 
     tokens: list[int] = field(default_factory=list)
     events: list[decode_pb.GenerateEvent] = field(default_factory=list)
@@ -145,6 +147,7 @@ class Outcome:
     error: str = ""
     num_cached_tokens: int = 0
     cancelled: bool = False
+    retryable: bool = False
 
 
 def generate_request(request_id: str, prompt: Sequence[int], params: SamplingParams, prefill: str,
@@ -181,6 +184,10 @@ async def generate(stub: decode_grpc.DecodeStub, request: decode_pb.GenerateRequ
     except asyncio.CancelledError:
         if not out.cancelled:
             raise
+    except grpc.aio.AioRpcError as e:
+        if e.code() != grpc.StatusCode.ABORTED or out.events:
+            raise
+        out.finish_reason, out.error, out.retryable = "error", e.details() or "", True
     return out
 
 

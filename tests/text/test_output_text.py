@@ -65,3 +65,32 @@ def test_a_possible_stop_prefix_is_held_back_until_it_cannot_be_one(tok):
     deltas, text, checker = _run(tok, params, ids, 1)
     assert not any(d.endswith("look") for d in deltas[:-1])  # "look" could have become "look!"
     assert "".join(deltas) == "Let me look." and checker.finish_reason == "length"
+
+
+def _resumed(tok: Tokenizer, params: SamplingParams, ids: list[int], seam: int) -> str:
+    """What a client gets when the stream stops after ``seam`` ids and resumes elsewhere: the first
+    attempt's deltas, then the second's (a fresh OutputText told the first ``seam`` ids)."""
+    first, _, checker = _run(tok, params, ids[:seam], 1)
+    if checker.finished:
+        return "".join(first)
+    rest = SamplingParams(max_tokens=params.max_tokens - seam, stop=params.stop, num_resumed=seam)
+    again = StopChecker(rest)
+    text = OutputText(tok, rest, again)
+    text.resume(ids[:seam])
+    second = []
+    for token in ids[seam:]:
+        check = again.check_tokens([token])
+        second.append(text.push([token][: check.num_visible]))
+        if again.finished:
+            break
+    return "".join(first) + "".join(second)
+
+
+@pytest.mark.parametrize("stop", [(), ("ü.py",), ("done 😀",), ("arg_value>ü",)])
+def test_a_stream_resumed_at_any_token_reads_as_one_run(tok, stop):
+    """A stop string or a character (ü, 😀: several byte tokens) across the seam: never a
+    repeated, lost or broken piece of text."""
+    ids = tok.encode(TEXT)
+    params = SamplingParams(max_tokens=len(ids), stop=stop)
+    whole = "".join(_run(tok, params, ids, 1)[0])
+    assert whole != "" and all(_resumed(tok, params, ids, seam) == whole for seam in range(1, len(ids)))

@@ -31,11 +31,13 @@ log = logging.getLogger(__name__)
 
 
 class _Ended(Exception):
-    """The flow ends early: ``reason`` "abort" or "error", ``error`` what happened."""
+    """The flow ends early: ``reason`` "abort" or "error", ``error`` what happened; ``retryable``:
+    before any token, for a reason of the path, not of the request (its prefill worker could not
+    be reached or failed, the transfer did not arrive): another attempt may well succeed."""
 
-    def __init__(self, reason: FinishReason, error: str | None) -> None:
+    def __init__(self, reason: FinishReason, error: str | None, retryable: bool = False) -> None:
         super().__init__(error or reason)
-        self.reason, self.error = reason, error
+        self.reason, self.error, self.retryable = reason, error, retryable
 
 
 class DecodeFlow:
@@ -54,6 +56,7 @@ class DecodeFlow:
         self._abort_finish: FinishReason = "abort"
         self.stage = "queued"  # queued (reserving) | prefill | decode | done
         self.num_cached = 0
+        self.retryable = False  # it ended before any token for a reason of the path (`_Ended`)
         self.task: asyncio.Task[None] | None = None
         self._dest: list[int] = []  # the reserved blocks covering the prompt
 
@@ -83,6 +86,7 @@ class DecodeFlow:
         try:
             final = await self._decode(await self._prefill())
         except _Ended as e:
+            self.retryable = e.retryable and self._abort_reason is None
             final = self._final(e.reason, e.error)
         except Exception as e:  # a bug: end the stream; blocks in an unknown state wait out the backstop
             log.exception("decode request %s failed", self.key)
@@ -150,7 +154,7 @@ class DecodeFlow:
         if not arrival.done() or arrival.cancelled():
             ctx.release_now(self.key)  # the writer saw the write done: nothing more lands
             raise self._abort_ended() or _Ended("error", "the KV transfer's completion did not arrive "
-                                                       f"within {s.arrival_timeout_s}s")
+                                                       f"within {s.arrival_timeout_s}s", retryable=True)
         stamps, params, prompt = arrival.result(), self._params, self._prompt
         self._stream = ctx.engine.open(self.key)  # before the request is in the engine
         try:
@@ -260,13 +264,15 @@ def _ended_for(call: asyncio.Task[PrefillAnswer], target: str) -> _Ended:
     """How a stream ends when its Prefill call did not answer: "abort" when the prefill side
     aborted it (an abort started there reaches the client too), else "error" naming the failure."""
     if not call.done():
-        return _Ended("error", f"prefill worker {target} did not answer in time")
+        return _Ended("error", f"prefill worker {target} did not answer in time", retryable=True)
     error = call.exception()
     if isinstance(error, PrefillCallError) and error.code == "aborted":
         return _Ended("abort", f"prefill worker {target}: {error}")
     if isinstance(error, PrefillCallError) and error.code == "unavailable":
-        return _Ended("error", f"prefill worker {target} failed or is unreachable: {error}")
-    return _Ended("error", f"prefill worker {target}: {error}")
+        return _Ended("error", f"prefill worker {target} failed or is unreachable: {error}", retryable=True)
+    # "invalid" is the request's own fault (the router answers 400); anything else may pass
+    invalid = isinstance(error, PrefillCallError) and error.code == "invalid"
+    return _Ended("error", f"prefill worker {target}: {error}", retryable=not invalid)
 
 
 def _consume(task: asyncio.Task[Any]) -> None:

@@ -95,9 +95,10 @@ _CODES = {
 }
 
 
-# A prefill worker restarted at the same address is used again within ~2 s (gRPC's default
-# reconnect backoff grows to 120 s, and calls fail fast meanwhile).
-_CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 2000)]
+# A prefill worker restarted at the same address is used again within ~1 s (gRPC's default
+# reconnect backoff grows to 120 s, and calls fail fast meanwhile: the router retries those).
+_CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
+                    ("grpc.max_reconnect_backoff_ms", 1000)]
 
 
 class GrpcPrefillClient:

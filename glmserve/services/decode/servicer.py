@@ -2,8 +2,12 @@
 
 ``Generate`` streams the worker's events. Before any event: INVALID_ARGUMENT for a bad request,
 RESOURCE_EXHAUSTED when this worker has no KV blocks for the prompt now, UNAVAILABLE when it does
-not serve (loading, shutting down); the router may retry the last two on another decode worker. When the client cancels the
-call (or it ends any other way before the final event) the request is aborted at once.
+not serve (loading, shutting down); the router may retry the last two on another decode worker.
+ABORTED instead of a first event: the request failed before any token for a reason of its path
+(the prefill worker could not be reached, e.g. while this worker's channel to a restarted one
+reconnects; the transfer did not arrive): nothing was generated, the router tries again. When the
+client cancels the call (or it ends any other way before the final event) the request is aborted
+at once.
 """
 
 from __future__ import annotations
@@ -47,6 +51,8 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         try:
             async for event in stream:
                 finished = event.finished
+                if finished and event.finish_reason == "error" and stream.retryable:
+                    await context.abort(grpc.StatusCode.ABORTED, event.error or "the request's path failed")
                 yield event_to_proto(event)
         finally:
             if not finished:  # cancelled by the client, or the stream broke: abort everywhere now

@@ -80,6 +80,12 @@ class DecodeStream:
         """Stop the request now (idempotent); the stream then ends with finish_reason "abort"."""
         self._flow.abort(reason, label)
 
+    @property
+    def retryable(self) -> bool:
+        """The stream ended with an error before any token, for a reason of the path (its prefill
+        worker was unreachable or failed): the caller may try again, here or elsewhere."""
+        return self._flow.retryable
+
 
 class DecodeWorker:
     def __init__(

@@ -73,11 +73,12 @@ async def serve_stage(config: PrefillConfig) -> int:
     activations = make_backend(kv.kind, host=config.host, timeout_s=config.transfer_timeout_s)
     following = (GrpcStage(addresses[index + 1], index + 1, interceptors=tracing.client_interceptors())
                  if not settings.is_last else None)
-    # the head's metrics (its host-tier blocks stand for the replica's: every stage writes a slice of each)
-    metrics = WorkerMetrics("prefill", config.worker_id, lambda: worker.engine.snapshot) if index == 0 else None
+    # Every stage reports its engine (KV blocks, running) and process; requests, phases and the host
+    # tier are counted by the head only (each stage writes a slice of the same blocks).
+    metrics = WorkerMetrics("prefill", config.worker_id if index == 0 else holder, lambda: worker.engine.snapshot)
     worker = StageWorker(engine, kv, activations, settings, following,
                          host=dataclasses.replace(host, worker_id=holder) if host is not None else None,
-                         host_metrics=HostTierMetrics(metrics.registry) if metrics is not None else None)
+                         host_metrics=HostTierMetrics(metrics.registry) if index == 0 else None)
     stage_servicer = StageServicer(worker)
     name = f"prefill stage {index}/{len(addresses)} of {config.worker_id} (layers {settings.layers.start}-" \
            f"{settings.layers.stop - 1}, {kv.kind} transfer)"
@@ -85,9 +86,8 @@ async def serve_stage(config: PrefillConfig) -> int:
         def add(server: grpc.aio.Server) -> None:
             stage_pb2_grpc.add_StageServicer_to_server(stage_servicer, server)
 
-        return await serve_worker(config, worker, add, None, publisher, name, role="prefill", tracing=tracing,
-                                  service=stage_pb2.DESCRIPTOR.services_by_name["Stage"].full_name)
-    assert metrics is not None
+        return await serve_worker(config, worker, add, metrics.registry, publisher, name, role="prefill",
+                                  tracing=tracing, service=stage_pb2.DESCRIPTOR.services_by_name["Stage"].full_name)
     others = [GrpcStage(a, k, interceptors=tracing.client_interceptors()) for k, a in enumerate(addresses) if k > 0]
     head = StagedPrefill(worker, others, ReplicaSettings(kv.kind, config.chunk_tokens, config.stream_min_tokens),
                          metrics=metrics)

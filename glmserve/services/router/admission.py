@@ -15,7 +15,8 @@ A queued request whose client left is dropped at once (the caller sets its ``gon
 freeing its place. A running request that finds every decode worker full keeps its slot and waits
 (`Ticket.wait_for_capacity`) until another request ends or ``capacity_poll_s`` passed (another
 router's requests may have ended), then tries again, until its first arrival's deadline: a full
-worker means "wait", not "unavailable". Every refusal carries ``retry_after_s`` for the
+worker means "wait", not "unavailable". One whose workers could not be reached just now (a
+restart) tries again every ``retry_poll_s`` (`Ticket.wait_to_retry`) until that deadline. Every refusal carries ``retry_after_s`` for the
 ``Retry-After`` header.
 
 Pure asyncio, no I/O; one instance per router, used on its event loop.
@@ -39,14 +40,15 @@ class AdmissionConfig:
     max_wait_s: float = 30.0  # longest wait in the queue (and for a full worker) before a 429
     retry_after_s: int = 1  # what Retry-After says
     capacity_poll_s: float = 0.1  # a request waiting for a full worker tries again this often
+    retry_poll_s: float = 0.2  # ... and one whose workers were unreachable (a restart)
 
     def __post_init__(self) -> None:
         for name in ("max_running", "max_queued", "max_queued_per_tenant", "retry_after_s"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
-        if self.max_wait_s <= 0 or self.capacity_poll_s <= 0:
-            raise ValueError(f"max_wait_s, capacity_poll_s: must be > 0, got {self.max_wait_s}, "
-                             f"{self.capacity_poll_s}")
+        if self.max_wait_s <= 0 or self.capacity_poll_s <= 0 or self.retry_poll_s <= 0:
+            raise ValueError(f"max_wait_s, capacity_poll_s, retry_poll_s: must be > 0, got {self.max_wait_s}, "
+                             f"{self.capacity_poll_s}, {self.retry_poll_s}")
 
 
 class Rejected(Exception):
@@ -86,6 +88,12 @@ class Ticket:
         ``capacity_poll_s`` passed, then the caller tries again. `Rejected` (``queue_timeout``)
         past the first arrival's deadline, `ClientGone` when ``gone`` is set."""
         await self._queue._await_capacity(self.deadline, gone)
+
+    async def wait_to_retry(self, gone: asyncio.Event) -> bool:
+        """The workers could not be reached: wait ``retry_poll_s``, keeping the slot; False when
+        the first arrival's deadline has passed (the caller answers 503). `ClientGone` when
+        ``gone`` is set, `Rejected` (``draining``) once the router drains."""
+        return await self._queue._await_retry(self.deadline, gone)
 
 
 class AdmissionQueue:
@@ -191,6 +199,20 @@ class AdmissionQueue:
         if gone.is_set():
             self._count("gone")
             raise ClientGone("the client left while its request waited for a decode worker")
+
+    async def _await_retry(self, deadline: float, gone: asyncio.Event) -> bool:
+        loop = asyncio.get_running_loop()
+        if self._draining:
+            raise self._refused("draining")
+        left = deadline - loop.time()
+        if left <= 0:
+            return False
+        try:
+            await asyncio.wait_for(gone.wait(), timeout=min(self.config.retry_poll_s, left))
+        except TimeoutError:
+            return True
+        self._count("gone")
+        raise ClientGone("the client left while its request waited for a worker to come back")
 
     def _release(self) -> None:
         if self._ended is not None:

@@ -44,6 +44,7 @@ from glmserve.services.router.openai_requests import (
     CompletionRequest,
     parse_body,
 )
+from glmserve.services.router.openapi_answers import document_answers
 from glmserve.services.router.request_hints import request_hints
 from glmserve.services.router.request_id import RequestIdMiddleware
 from glmserve.services.router.request_run import RequestContext
@@ -306,7 +307,8 @@ def _add_probes(app: FastAPI, backend: GenerationBackend, metrics: RouterMetrics
 
 def _openapi_with_bodies(app: FastAPI) -> dict[str, Any]:
     """FastAPI's schema, with each generation route's request body (the routes read the raw body
-    themselves, to parse large ones off the event loop)."""
+    themselves, to parse large ones off the event loop) and what every route answers besides a 200
+    (`openapi_answers`)."""
     if app.openapi_schema is None:
         schema = get_openapi(title=app.title, version="1", routes=app.routes)
         components = schema.setdefault("components", {}).setdefault("schemas", {})
@@ -318,6 +320,7 @@ def _openapi_with_bodies(app: FastAPI) -> dict[str, Any]:
             schema["paths"][path]["post"]["requestBody"] = {
                 "required": True, "content": {"application/json": {"schema": ref}},
             }
+        document_answers(schema, {path for path in BODIES if path.startswith("/v1/")})
         app.openapi_schema = schema
     return app.openapi_schema
 
@@ -340,8 +343,10 @@ def _install_error_handlers(app: FastAPI, metrics: RouterMetrics) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
-        if err.status_code == 405:
-            return answer(request, method_not_allowed(request.method, request.url.path))
+        if err.status_code == 405:  # with the route's Allow header (RFC 9110)
+            refusal = method_not_allowed(request.method, request.url.path)
+            refusal.headers.update(err.headers or {})
+            return answer(request, refusal)
         if err.status_code == 404:
             return answer(request, not_found(request.url.path))
         return answer(request, APIError(err.status_code, str(err.detail)))

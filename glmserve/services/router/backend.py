@@ -38,6 +38,13 @@ class BackendFull(BackendUnavailable):
     and tries again, and answers 429 once the request's queue wait is spent."""
 
 
+class WorkerUnreachable(BackendUnavailable):
+    """The workers the router counts as healthy could not take the request just now, for a reason
+    that passes (one restarting behind its address while channels reconnect, a decode worker that
+    could not reach its prefill worker, one that began draining): nothing was generated. The
+    router waits a moment and tries again within the request's queue wait, then answers 503."""
+
+
 class GenerationBackend(abc.ABC):
     """Contract every backend keeps (the router relies on each point):
 
@@ -46,8 +53,8 @@ class GenerationBackend(abc.ABC):
       is the one given. ``request_id`` is unique among running requests (the router makes it).
       ``params`` is already validated and ``len(prompt_ids) + params.max_tokens`` fits the model's
       context. Stop strings in ``params`` are enforced by the backend (it stops generating).
-      It may raise `BackendUnavailable` (`BackendFull` when the workers are only full) before
-      yielding anything.
+      It may raise `BackendUnavailable` (`BackendFull` when the workers are only full,
+      `WorkerUnreachable` when they may take it a moment later) before yielding anything.
     - ``abort(request_id)`` stops the request everywhere at once and frees its resources; it is
       idempotent, never raises for an unknown or finished id, and returns without waiting for a
       generation step. An open stream of that request then ends promptly with a final event whose

@@ -11,9 +11,16 @@ Failures, from the router's point of view:
 - The call fails (UNAVAILABLE / RESOURCE_EXHAUSTED) before any event: nothing reached the client,
   so the request is retried on another decode worker with a new, larger generation (DESIGN
   invariant 3); with none left, `BackendFull` when every refusal was RESOURCE_EXHAUSTED (a full
-  worker is not an unhealthy one: the router waits for capacity), else `BackendUnavailable` (503).
-- A decode worker dies mid-stream: the stream ends at once with ``finish_reason="error"``; the
-  worker is marked failed (not chosen until a Health poll started afterwards answers ready).
+  worker is not an unhealthy one: the router waits for capacity), else `WorkerUnreachable` (the
+  router waits a moment and tries again within the queue wait, then 503).
+- ABORTED before any event: the decode worker could not get the prompt prefilled (its channel to
+  a restarted prefill worker still reconnecting, the transfer failed); the prefill worker is
+  re-polled and `WorkerUnreachable` raised at once (the decode worker is not at fault).
+- A decode worker dies mid-stream (or its stream ends with an error after tokens): the worker is
+  marked failed (not chosen until a Health poll started afterwards answers ready) and the stream
+  resumes on another decode worker (`stream_migration`: prompt plus the tokens sent so far, through
+  prefill again; the client sees a pause), at most ``migration_limit`` times per request. Without
+  a worker left, or past the limit, it ends at once with ``finish_reason="error"``.
 - An error event from decode (e.g. its prefill worker died): that prefill worker is re-polled at
   once, so a dead one leaves the choice within a round trip instead of a poll interval.
 - ``abort`` / the consumer leaving: the call is cancelled, which aborts the request in decode and
@@ -49,9 +56,11 @@ from glmserve.services.router.backend import (
     BackendUnavailable,
     GenerationBackend,
     RequestHints,
+    WorkerUnreachable,
 )
 from glmserve.services.router.prefill_routing import RoutingConfig
 from glmserve.services.router.prefix_router import PrefixRouter, RoutedPrefill
+from glmserve.services.router.stream_migration import SentSoFar
 from glmserve.services.router.worker_pool import HealthReport, WorkerPool, WorkerView
 from glmserve.services.tracing import RequestSpan, Tracing
 
@@ -64,18 +73,27 @@ _CHANNEL_OPTIONS = [
     ("grpc.max_reconnect_backoff_ms", 1000),
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
 ]
-_RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
+_RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED)
 
 
 def _refused(refusals: list[grpc.aio.AioRpcError]) -> BackendUnavailable:
-    """Every decode worker tried refused: only full ones (RESOURCE_EXHAUSTED) mean "wait"."""
+    """Every decode worker tried refused: full ones (RESOURCE_EXHAUSTED) mean "wait for capacity",
+    anything else "try again in a moment"."""
     if all(e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED for e in refusals):
         return BackendFull(f"every decode worker is full: {refusals[-1].details()}")
-    return BackendUnavailable(f"decode workers refused the request: {refusals[-1].details()}")
+    return WorkerUnreachable(f"decode workers refused the request: {refusals[-1].details()}")
 
 
 def _error_event(request_id: str, message: str) -> TokenEvent:
     return TokenEvent.ended(request_id, "error", message)
+
+
+@dataclass
+class _Outcome:
+    """How an attempt ended when it did not end with a final event (see `_relay`)."""
+
+    refusal: grpc.aio.AioRpcError | None = None
+    lost: str | None = None
 
 
 @dataclass
@@ -91,6 +109,7 @@ class DisaggregatedBackend(GenerationBackend):
     (``host:port`` each); see the module docstring. ``kvstore``: the block index service (prefix
     lookups; polled for its health). ``routing``: the prefill routing policy's settings.
     ``tracing``: spans of each request, passed on to decode in the call's metadata (off by default).
+    ``migration_limit``: how often one stream may resume on another decode worker (0: never).
     Create and use it inside one event loop."""
 
     def __init__(
@@ -102,17 +121,19 @@ class DisaggregatedBackend(GenerationBackend):
         poll_interval_s: float = 0.5,
         health_timeout_s: float = 1.0,
         max_attempts: int = 3,
+        migration_limit: int = 3,
         routing: RoutingConfig | None = None,
         tracing: Tracing | None = None,
     ):
-        if poll_interval_s <= 0 or health_timeout_s <= 0 or max_attempts < 1:
-            raise ValueError("poll_interval_s, health_timeout_s: must be > 0; max_attempts: >= 1")
+        if poll_interval_s <= 0 or health_timeout_s <= 0 or max_attempts < 1 or migration_limit < 0:
+            raise ValueError("poll_interval_s, health_timeout_s: must be > 0; max_attempts: >= 1; "
+                             "migration_limit: >= 0")
         self.decode_pool = WorkerPool("decode", decode)
         self.prefill_pool = WorkerPool("prefill", prefill)
         self.kvstore_address = kvstore
         self.kvstore_up: bool | None = None  # None: not configured or not polled yet
         self._poll_interval_s, self._health_timeout_s = poll_interval_s, health_timeout_s
-        self._max_attempts = max_attempts
+        self._max_attempts, self._migration_limit = max_attempts, migration_limit
         self._generations = itertools.count(1)  # later attempts get larger numbers
         self._streams: dict[str, _Stream] = {}
         self._channels: dict[str, grpc.aio.Channel] = {}
@@ -213,16 +234,22 @@ class DisaggregatedBackend(GenerationBackend):
         self, request_id: str, stream: _Stream, prompt_ids: list[int], params: SamplingParams,
         hints: RequestHints, span: RequestSpan,
     ) -> AsyncIterator[TokenEvent]:
-        """Try decode workers until one streams (see the module docstring for the failure rules)."""
+        """Try decode workers until one streams; resume a stream that lost its decode worker on
+        another one (see the module docstring for the failure rules)."""
         tried: list[str] = []
         refusals: list[grpc.aio.AioRpcError] = []
-        sampling = sampling_to_proto(params)
+        sent = SentSoFar(prompt_ids, params, self._migration_limit)
         while True:
             decode = self.decode_pool.choose(exclude=tried)
-            if decode is None:
+            if decode is None and not sent.token_ids:
                 raise _refused(refusals) if refusals else BackendUnavailable("no healthy decode worker")
-            routed = await self.prefix_router.route(prompt_ids, hints)
+            prompt, attempt_params = sent.attempt()
+            routed = await self.prefix_router.route(prompt, hints) if decode is not None else None
             if routed is None:
+                if sent.token_ids:  # the client has tokens: too late for a refusal
+                    self.prefix_router.metrics.migrations.labels(outcome="ended").inc()
+                    yield _error_event(request_id, "the stream lost its decode worker and no other can take it")
+                    return
                 raise BackendUnavailable("no healthy prefill worker")
             prefill = routed.address
             if stream.aborted:
@@ -230,29 +257,48 @@ class DisaggregatedBackend(GenerationBackend):
                 return
             request = decode_pb.GenerateRequest(
                 transfer=common_pb.TransferId(request_id=request_id, generation=next(self._generations)),
-                prompt_ids=prompt_ids, sampling=sampling, prefill_target=prefill,
+                prompt_ids=prompt, sampling=sampling_to_proto(attempt_params), prefill_target=prefill,
                 cache_salt=hints.cache_salt or "",
             )
             span.attempt(decode=decode, prefill=prefill)
             stream.call = decode_grpc.DecodeStub(self._channels[decode]).Generate(request, metadata=span.metadata())
-            outcome: list[grpc.aio.AioRpcError] = []
+            outcome = _Outcome()
             async with aclosing(self._relay(request_id, stream, decode, routed, outcome)) as events:
                 async for event in events:
-                    yield event
-            if not outcome:
-                return
+                    yield sent.seen(event)
             stream.call = None
-            tried.append(decode)
-            refusals += outcome
+            if outcome.refusal is None and outcome.lost is None:
+                return  # it ended with a final event
+            path_failed = outcome.refusal is not None and outcome.refusal.code() == grpc.StatusCode.ABORTED
+            if not path_failed:
+                tried.append(decode)
+            if sent.token_ids or outcome.lost is not None:  # the stream started: resume it, if allowed
+                why = outcome.lost or f"{outcome.refusal.code().name}: {outcome.refusal.details()}"
+                if not sent.may_resume():
+                    self.prefix_router.metrics.migrations.labels(outcome="ended").inc()
+                    yield _error_event(request_id, why)
+                    return
+                sent.resume()
+                self.prefix_router.metrics.migrations.labels(outcome="resumed").inc()
+                if path_failed:  # its prefill worker is coming back: give it a moment
+                    await asyncio.sleep(self._poll_interval_s)
+                log.warning("request %s: %s; resuming after %d tokens (migration %d of %d)",
+                            request_id, why, len(sent.token_ids), sent.migrations, self._migration_limit)
+                continue
+            assert outcome.refusal is not None
+            if path_failed:  # not this decode worker's fault: try again in a moment
+                raise WorkerUnreachable(f"decode worker {decode} could not get the prompt prefilled by "
+                                        f"{prefill}: {outcome.refusal.details()}")
+            refusals.append(outcome.refusal)
             if len(tried) >= self._max_attempts:
                 raise _refused(refusals)
 
     async def _relay(
-        self, request_id: str, stream: _Stream, decode: str, routed: RoutedPrefill,
-        retry: list[grpc.aio.AioRpcError],
+        self, request_id: str, stream: _Stream, decode: str, routed: RoutedPrefill, outcome: _Outcome,
     ) -> AsyncIterator[TokenEvent]:
-        """Events of one attempt, ending with a final event; or nothing, with the error appended to
-        ``retry``, when the call failed retryably before its first event."""
+        """Events of one attempt, ending with a final event; or, with ``outcome`` saying why,
+        nothing more: the call failed retryably before its first event (``refusal``), or the
+        stream broke after it (``lost``: the worker died, or an error event came after tokens)."""
         prefill = routed.address
         self.decode_pool.acquire(decode)
         self.prefix_router.acquire(routed)  # prefill is busy until decode's first event
@@ -264,12 +310,15 @@ class DisaggregatedBackend(GenerationBackend):
                     self.prefix_router.release(routed, msg if msg is not grpc.aio.EOF else None)
                     holds_prefill = False
                 if msg is grpc.aio.EOF:
-                    yield _error_event(request_id, f"decode worker {decode} ended the stream early")
+                    outcome.lost = f"decode worker {decode} ended the stream early"
                     return
                 event = event_from_proto(request_id, msg)
-                got_event = True
                 if event.finish_reason == "error":
                     self._recheck(self.prefill_pool, prefill)
+                    if got_event:  # after tokens: the stream may go on elsewhere
+                        outcome.lost = f"decode worker {decode}: {event.error}"
+                        return
+                got_event = True
                 yield event
                 if event.finished:
                     return
@@ -279,10 +328,14 @@ class DisaggregatedBackend(GenerationBackend):
                 return
             if e.code() == grpc.StatusCode.UNAVAILABLE:  # the worker is gone or unreachable
                 self._suspect(self.decode_pool, decode, f"{e.code().name}: {e.details()}")
+            elif e.code() == grpc.StatusCode.ABORTED:  # its prefill worker failed: ask that one now
+                self._recheck(self.prefill_pool, prefill)
             if not got_event and e.code() in _RETRYABLE:
-                retry.append(e)
-                return
-            yield _error_event(request_id, f"decode worker {decode} failed: {e.code().name}: {e.details()}")
+                outcome.refusal = e
+            elif got_event:
+                outcome.lost = f"decode worker {decode} failed: {e.code().name}: {e.details()}"
+            else:
+                yield _error_event(request_id, f"decode worker {decode} failed: {e.code().name}: {e.details()}")
         except asyncio.CancelledError:
             # grpc.aio raises CancelledError from read() after call.cancel(); a cancellation of
             # this task itself (cancelling() > 0) must propagate.

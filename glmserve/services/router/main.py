@@ -67,6 +67,7 @@ class RouterConfig:
     drain_timeout_s: float = 30.0  # on SIGTERM, how long running requests may finish
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies get 413
     reasoning_parser: str = "glm45"  # "none": reasoning stays in the content unless a request asks
+    migration_limit: int = 3  # a stream resumes on another decode worker at most this often (0: never)
 
     def __post_init__(self) -> None:
         if not (self.model / "config.json").is_file():
@@ -83,6 +84,8 @@ class RouterConfig:
             raise ValueError(f"poll_interval_s: must be > 0, got {self.poll_interval_s}")
         if self.drain_timeout_s < 0:
             raise ValueError(f"drain_timeout_s: must be >= 0, got {self.drain_timeout_s}")
+        if self.migration_limit < 0:
+            raise ValueError(f"migration_limit: must be >= 0, got {self.migration_limit}")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes: must be >= 1024, got {self.max_body_bytes}")
         if self.reasoning_parser not in REASONING_PARSERS:
@@ -127,6 +130,9 @@ class RouterConfig:
         p.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=cls.reasoning_parser,
                        help="glm45: chat answers carry <think> blocks as reasoning_content (a request's "
                             "separate_reasoning overrides); none: they stay in the content")
+        p.add_argument("--migration-limit", type=int, default=cls.migration_limit,
+                       help="how often a stream whose decode worker died may resume on another one "
+                       "(0: never; the stream then ends with an error event)")
         a = p.parse_args(argv)
         routing = RoutingConfig(host_credit=a.host_credit, max_imbalance=a.max_imbalance,
                                 shared_prefix_fraction=a.shared_prefix_fraction, session_ttl_s=a.session_ttl_s,
@@ -136,7 +142,7 @@ class RouterConfig:
         return cls(a.model, tuple(a.decode), tuple(a.prefill), a.host, a.port, a.kvstore,
                    tuple(a.api_keys), a.served_model_name, a.poll_interval_s, routing=routing,
                    admission=admission, drain_timeout_s=a.drain_timeout_s, max_body_bytes=a.max_body_bytes,
-                   reasoning_parser=a.reasoning_parser)
+                   reasoning_parser=a.reasoning_parser, migration_limit=a.migration_limit)
 
 
 class _Server(uvicorn.Server):
@@ -191,6 +197,7 @@ async def serve(config: RouterConfig) -> bool:
     tokenizer = await asyncio.to_thread(Tokenizer.from_dir, config.model)
     backend = DisaggregatedBackend(config.decode, config.prefill, config.kvstore,
                                    poll_interval_s=config.poll_interval_s, routing=config.routing,
+                                   migration_limit=config.migration_limit,
                                    tracing=Tracing.from_env("router"))
     app = create_app(backend, tokenizer, model_name=config.served_model_name or config.model.name,
                      api_keys=list(config.api_keys) or None,

@@ -5,7 +5,9 @@ API the router serves (chat, completions, and the ones built on them) runs its t
 place in the admission queue (429 queue full / wait exceeded / tenant cap, 503 draining; the
 `Retry-After` header says when to come back), then the backend up to the request's first event
 (503 with no healthy worker; a backend whose workers are all full (`BackendFull`) is waited for
-with the queue's ticket, and tried again, until the queue wait is spent: 429). Then `events()`
+with the queue's ticket, and tried again, until the queue wait is spent: 429; one whose workers
+could not take it just now (`WorkerUnreachable`: a restart's reconnect) is tried again every
+moment until then: 503, never a 500). Then `events()`
 streams the backend's `TokenEvent`s and keeps the router's metrics; `close()` (idempotent) gives
 the slot back and aborts the request in the backend unless it finished. The client going away
 (``RequestContext.disconnected`` returns) aborts the request at once, queued or running, even while
@@ -25,7 +27,13 @@ import anyio
 
 from glmserve.core.generation import SamplingParams, TokenEvent
 from glmserve.services.router.admission import AdmissionQueue, ClientGone, Rejected, Ticket
-from glmserve.services.router.backend import BackendFull, BackendUnavailable, GenerationBackend, RequestHints
+from glmserve.services.router.backend import (
+    BackendFull,
+    BackendUnavailable,
+    GenerationBackend,
+    RequestHints,
+    WorkerUnreachable,
+)
 from glmserve.services.router.errors import (
     APIError,
     internal_error,
@@ -145,6 +153,13 @@ class RequestRun:
                 log.info("request %s waits for a decode worker: %s", self._who, e)
                 await self._ticket.wait_for_capacity(self._gone)
                 continue
+            except WorkerUnreachable as e:  # passes too (a restart): try again in a moment
+                log.info("request %s tries again: %s", self._who, e)
+                if await self._ticket.wait_to_retry(self._gone):
+                    continue
+                self.metrics.rejected("no_worker")
+                log.warning("request %s refused (no_worker): 503 %s", self._who, e)
+                raise service_unavailable() from None
             except BackendUnavailable as e:
                 self.metrics.rejected("no_worker")
                 log.warning("request %s refused (no_worker): 503 %s", self._who, e)

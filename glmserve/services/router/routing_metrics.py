@@ -12,6 +12,8 @@ serves them on ``/metrics`` next to its own).
   ``prefill_routing.REASONS``).
 - ``glmserve_router_kv_index_up``: 1 while lookups go to the kvstore index, 0 while the router
   routes from its local view (kvstore or its Redis unreachable, or none configured).
+- ``glmserve_router_stream_migrations_total{outcome="resumed|ended"}``: streams that lost their
+  decode worker and went on on another one, or ended with an error (no worker, or past the limit).
 """
 
 from __future__ import annotations
@@ -36,6 +38,11 @@ class RoutingMetrics:
                                  "Prefill routing decisions, by reason.", ["reason"], registry=r)
         self.index_up = Gauge("glmserve_router_kv_index_up",
                               "1: lookups use the kvstore index; 0: the router's local view.", registry=r)
+        self.migrations = Counter("glmserve_router_stream_migrations",
+                                  "Streams that lost their decode worker: resumed elsewhere, or ended.",
+                                  ["outcome"], registry=r)
+        for outcome in ("resumed", "ended"):
+            self.migrations.labels(outcome=outcome)
         for tier in ("device", "host"):
             self.hit_tokens.labels(tier=tier)
         for reason in REASONS:

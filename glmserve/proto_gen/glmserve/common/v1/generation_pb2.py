@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#glmserve/common/v1/generation.proto\x12\x12glmserve.common.v1\"\xe2\x03\n\x08Sampling\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x15\n\x08logprobs\x18\t \x01(\rH\x01\x88\x01\x01\x12\x1e\n\x16visible_special_tokens\x18\n \x03(\t\x12\r\n\x05min_p\x18\x0b \x01(\x01\x12\x1f\n\x12repetition_penalty\x18\x0c \x01(\x01H\x02\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\r \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x0e \x01(\x01\x12\x31\n\nlogit_bias\x18\x0f \x03(\x0b\x32\x1d.glmserve.common.v1.LogitBias\x12,\n\x07grammar\x18\x10 \x01(\x0b\x32\x1b.glmserve.common.v1.Grammar\x12\x18\n\x10\x62\x61nned_token_ids\x18\x11 \x03(\rB\x07\n\x05_seedB\x0b\n\t_logprobsB\x15\n\x13_repetition_penalty\"+\n\tLogitBias\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0c\n\x04\x62ias\x18\x02 \x01(\x01\"\x8b\x01\n\x07Grammar\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0e\n\x06schema\x18\x02 \x01(\t\x12\x0e\n\x06strict\x18\x03 \x01(\x08\x12\r\n\x05tools\x18\x04 \x01(\t\x12\x13\n\x0btool_choice\x18\x05 \x01(\t\x12\x1b\n\x13parallel_tool_calls\x18\x06 \x01(\x08\x12\x11\n\treasoning\x18\x07 \x01(\t\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"4\n\nTransferId\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#glmserve/common/v1/generation.proto\x12\x12glmserve.common.v1\"\xf7\x03\n\x08Sampling\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x15\n\x08logprobs\x18\t \x01(\rH\x01\x88\x01\x01\x12\x1e\n\x16visible_special_tokens\x18\n \x03(\t\x12\r\n\x05min_p\x18\x0b \x01(\x01\x12\x1f\n\x12repetition_penalty\x18\x0c \x01(\x01H\x02\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\r \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x0e \x01(\x01\x12\x31\n\nlogit_bias\x18\x0f \x03(\x0b\x32\x1d.glmserve.common.v1.LogitBias\x12,\n\x07grammar\x18\x10 \x01(\x0b\x32\x1b.glmserve.common.v1.Grammar\x12\x18\n\x10\x62\x61nned_token_ids\x18\x11 \x03(\r\x12\x13\n\x0bnum_resumed\x18\x14 \x01(\rB\x07\n\x05_seedB\x0b\n\t_logprobsB\x15\n\x13_repetition_penalty\"+\n\tLogitBias\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0c\n\x04\x62ias\x18\x02 \x01(\x01\"\x8b\x01\n\x07Grammar\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0e\n\x06schema\x18\x02 \x01(\t\x12\x0e\n\x06strict\x18\x03 \x01(\x08\x12\r\n\x05tools\x18\x04 \x01(\t\x12\x13\n\x0btool_choice\x18\x05 \x01(\t\x12\x1b\n\x13parallel_tool_calls\x18\x06 \x01(\x08\x12\x11\n\treasoning\x18\x07 \x01(\t\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"4\n\nTransferId\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,13 +33,13 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'glmserve.common.v1.generati
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLING']._serialized_start=60
-  _globals['_SAMPLING']._serialized_end=542
-  _globals['_LOGITBIAS']._serialized_start=544
-  _globals['_LOGITBIAS']._serialized_end=587
-  _globals['_GRAMMAR']._serialized_start=590
-  _globals['_GRAMMAR']._serialized_end=729
-  _globals['_TOPLOGPROBS']._serialized_start=731
-  _globals['_TOPLOGPROBS']._serialized_end=781
-  _globals['_TRANSFERID']._serialized_start=783
-  _globals['_TRANSFERID']._serialized_end=835
+  _globals['_SAMPLING']._serialized_end=563
+  _globals['_LOGITBIAS']._serialized_start=565
+  _globals['_LOGITBIAS']._serialized_end=608
+  _globals['_GRAMMAR']._serialized_start=611
+  _globals['_GRAMMAR']._serialized_end=750
+  _globals['_TOPLOGPROBS']._serialized_start=752
+  _globals['_TOPLOGPROBS']._serialized_end=802
+  _globals['_TRANSFERID']._serialized_start=804
+  _globals['_TRANSFERID']._serialized_end=856
 # @@protoc_insertion_point(module_scope)
