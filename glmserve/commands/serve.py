@@ -56,6 +56,7 @@ class ServeConfig:
     prefill_stages: int = 1  # LayerSplit: stage processes per prefill worker
     prefill_layer_split: str | None = None  # explicit stage ranges (else the planner's)
     routing: str = "cache_aware"  # the router's --routing (checked by the router)
+    reasoning_parser: str = "glm45"  # the router's --reasoning-parser (checked by the router)
     migration_limit: int = 3  # the router's --migration-limit (0: streams never resume elsewhere)
 
     def __post_init__(self) -> None:
@@ -113,6 +114,7 @@ class ServeConfig:
                    prefill_stages=getattr(args, "prefill_stages", 1),
                    prefill_layer_split=getattr(args, "prefill_layer_split", None),
                    routing=getattr(args, "routing", cls.routing),
+                   reasoning_parser=getattr(args, "reasoning_parser", cls.reasoning_parser),
                    migration_limit=getattr(args, "migration_limit", cls.migration_limit))
 
     @property
@@ -144,6 +146,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", action="append", default=[], help="require this key (repeatable)")
     p.add_argument("--routing", choices=["cache_aware", "least_loaded", "round_robin"], default="cache_aware",
                    help="how the router picks a prefill worker")
+    p.add_argument("--reasoning-parser", choices=["glm45", "none"], default=ServeConfig.reasoning_parser,
+                   help="glm45: chat answers carry <think> blocks as reasoning_content; none: in the content")
     p.add_argument("--migration-limit", type=int, default=ServeConfig.migration_limit,
                    help="how often a stream whose decode worker died may resume on another one (0: never)")
     p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for every service")
@@ -238,7 +242,7 @@ def plan(cfg: ServeConfig) -> list[ChildSpec]:
     specs.append(ChildSpec("router", "router", (
         py, "-m", "glmserve.services.router.main", "--model", str(cfg.model), "--host", cfg.host,
         "--port", str(router_port), "--kvstore", kv, "--prefill", ",".join(addresses["prefill"]),
-        "--decode", ",".join(addresses["decode"]), "--routing", cfg.routing,
+        "--decode", ",".join(addresses["decode"]), "--routing", cfg.routing, "--reasoning-parser", cfg.reasoning_parser,
         "--drain-timeout-s", str(cfg.drain_timeout_s), "--migration-limit", str(cfg.migration_limit),
         *[a for key in cfg.api_keys for a in ("--api-key", key)]),
         url, None, STOP_RANKS["router"], ready=http_ok(f"{url}/ready")))

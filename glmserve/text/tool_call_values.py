@@ -19,7 +19,7 @@ def tool_properties(tools: list[dict[str, Any]] | None) -> dict[str, dict[str, A
     return out
 
 
-def _is_string_param(schema: Any) -> bool:
+def is_string_param(schema: Any) -> bool:
     if not isinstance(schema, dict):
         return False
     t = schema.get("type")
@@ -35,7 +35,7 @@ def _reject_constant(name: str) -> Any:
 
 def coerce_value(raw: str, schema: Any = None) -> Any:
     """The typed value of an `<arg_value>`: parsed JSON unless the schema wants a string."""
-    if _is_string_param(schema):
+    if is_string_param(schema):
         return raw
     try:
         value = json.loads(raw, parse_constant=_reject_constant)

@@ -4,17 +4,20 @@ Format: `<tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value>...</tool_ca
 whitespace between the parts. Rules, shared by the streaming and the one-shot parser (the one-shot
 parser is the streaming one fed a single delta, so both always agree):
 
-- A call streams in pieces, as vLLM streams them: its first delta carries the index, id and name
-  (``arguments`` ""), then each key/value pair adds its piece of the arguments JSON (`{"k": v`,
-  `, "k2": v2`) once its `</arg_value>` has arrived, and `</tool_call>` adds the closing `}` (or
-  `{}`). The pieces always add up to ``json.dumps(arguments)``.
+- A call streams in pieces, as vLLM streams them: its first delta carries the index, id and name,
+  then the arguments JSON follows piece by piece (`{"k": v`, `, "k2": "...`), and `</tool_call>`
+  adds the closing `}` (or `{}`). A value the tool's schema types as a string streams as its
+  characters arrive (JSON-escaped); any other value once its `</arg_value>` is in (its type is read
+  from the whole text). The pieces always add up to ``json.dumps(arguments)``.
 - A call commits (its first delta goes out) only once its name is followed by a complete,
   well-formed pair or by `</tool_call>`; before that, anything malformed (no name, a name with a
   space, a stray tag, a value without tags, a new `<tool_call>`) makes the whole block content,
   character for character, up to its `</tool_call>` (or the new `<tool_call>`, or the end).
 - A committed call cannot be taken back: if its body breaks later (a malformed or repeated pair, a
   new `<tool_call>`) or the output ends first, the call ends there with the pairs it has, and the
-  text from the break on is read again as output (content, or a new call); nothing is lost.
+  text from the break on is read again as output (content, or a new call); nothing is lost. A
+  streaming string value ends at `</arg_value>`, or with its call at `</tool_call>` or a new
+  `<tool_call>` (then the next call), or at the end of the output, and keeps what it had.
 - Text is never streamed as content while it could still turn out to be part of a call: a
   trailing partial `<tool_call` is held back while it could still become the tag, and flushed as
   content by `finish()` if it never does.
@@ -39,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from glmserve.text.special_tokens import TOOL_CALL_END, TOOL_CALL_START, partial_tag_len
-from glmserve.text.tool_call_values import coerce_value, tool_properties
+from glmserve.text.tool_call_values import coerce_value, is_string_param, tool_properties
 
 _NAME = re.compile(r"\s*([^\s<>]+)\s*")
 
@@ -69,6 +72,7 @@ class StreamDelta:
 _KEY_START, _KEY_END = "<arg_key>", "</arg_key>"
 _VALUE_START, _VALUE_END = "<arg_value>", "</arg_value>"
 _WAIT, _BROKEN = "wait", "broken"  # what `_pair` says besides a complete pair
+_VALUE_ENDS = (_VALUE_END, TOOL_CALL_END, TOOL_CALL_START)  # what ends a streaming string value
 
 
 def _could_become(text: str, *tags: str) -> bool:
@@ -89,6 +93,8 @@ class ToolCallStreamParser:
         self._name: str | None = None  # inside: the open call's name, once it streams (committed)
         self._pos = 0  # committed: where the next pair starts in `_buf`
         self._keys: set[str] = set()  # committed: the argument keys so far
+        self._value = False  # committed: a string value is streaming (from `_pos`)
+        self._sent = 0  # ... and this many of its characters went out
         self._scanned = 0  # inside, not committed, broken: no tag ends before this offset of `_buf`
         self._broken = False  # inside, not committed: the block is not a call (it stays content)
         self._ws = ""  # trailing whitespace of content, dropped if a valid call follows
@@ -104,6 +110,9 @@ class ToolCallStreamParser:
     def finish(self) -> StreamDelta:
         if self._name is not None:
             rest = self._buf[self._pos :]
+            if self._value:  # a string value cut short keeps what arrived
+                self._end_value(rest)
+                rest = ""
             self._close()  # a call cut short keeps its complete arguments; the partial pair is text
             self._buf = rest
         self._emit_text(self._buf)  # an uncommitted call or a partial tag is plain content
@@ -142,7 +151,7 @@ class ToolCallStreamParser:
             elif self._name is None:
                 if not self._open():
                     return
-            elif not self._next_pair():
+            elif not (self._next_value() if self._value else self._next_pair()):
                 return
 
     def _skip_broken(self) -> bool:
@@ -180,7 +189,7 @@ class ToolCallStreamParser:
         if not rest.startswith(_KEY_START):
             self._broken = True
             return True
-        pair = self._pair(pos)
+        pair = self._pair(pos, None)
         if pair == _WAIT:
             return False
         if pair == _BROKEN:
@@ -206,24 +215,63 @@ class ToolCallStreamParser:
             return True
         if not rest or _could_become(rest, TOOL_CALL_END, _KEY_START):
             return False
-        pair = self._pair(at) if rest.startswith(_KEY_START) else _BROKEN
+        pair = self._pair(at, self._props.get(self._name, {})) if rest.startswith(_KEY_START) else _BROKEN
         if pair == _WAIT:
             return False
         if pair == _BROKEN or pair[0] in self._keys:
             self._close()
             self._buf = self._buf[at:]
             return True
-        key, value, end = pair
+        key = pair[0]
         self._keys.add(key)
+        start = ("{" if len(self._keys) == 1 else ", ") + json.dumps(key, ensure_ascii=False) + ": "
+        if len(pair) == 2:  # a string value: it streams as it arrives
+            self._arguments(start + '"')
+            self._pos, self._value, self._sent = pair[1], True, 0
+            return True
+        _, value, end = pair
         schema = self._props.get(self._name, {}).get(key)
-        piece = json.dumps(key, ensure_ascii=False) + ": " + json.dumps(coerce_value(value, schema), ensure_ascii=False)
-        self._arguments(("{" if len(self._keys) == 1 else ", ") + piece)
+        self._arguments(start + json.dumps(coerce_value(value, schema), ensure_ascii=False))
         self._pos = end
         return True
 
-    def _pair(self, at: int) -> tuple[str, str, int] | str:
+    def _next_value(self) -> bool:
+        """A string value streams up to `</arg_value>`; `</tool_call>` or a new `<tool_call>` in it
+        ends the value and the call there (the one-shot parse reads it the same way)."""
+        body = self._buf[self._pos :]
+        ends = [(i, tag) for tag in _VALUE_ENDS if (i := body.find(tag)) >= 0]
+        if not ends:
+            held = max(partial_tag_len(body, tag) for tag in _VALUE_ENDS)
+            self._send(body[: len(body) - held], final=False)
+            return False
+        i, tag = min(ends)
+        self._end_value(body[:i])
+        if tag == _VALUE_END:
+            self._pos += i + len(tag)
+            return True
+        rest = self._buf[self._pos + i + (len(tag) if tag == TOOL_CALL_END else 0) :]
+        self._close()
+        self._buf = rest
+        return True
+
+    def _send(self, raw: str, final: bool) -> None:
+        """The value's characters that are final now, JSON-escaped (escaping is per character, so
+        the pieces add up to the escaped whole); with ``strip_values`` whitespace at either end is
+        held until it is known not to be the end."""
+        text = (raw.strip() if final else raw.lstrip().rstrip()) if self._strip else raw
+        if len(text) > self._sent:
+            self._arguments(json.dumps(text[self._sent :], ensure_ascii=False)[1:-1])
+            self._sent = len(text)
+
+    def _end_value(self, raw: str) -> None:
+        self._send(raw, final=True)
+        self._arguments('"')
+        self._value = False
+
+    def _pair(self, at: int, props: dict[str, Any] | None) -> tuple[str, str, int] | tuple[str, int] | str:
         """The `<arg_key>K</arg_key><arg_value>V</arg_value>` at ``at``: (key, value, end), or
-        `_WAIT` (it may still complete), or `_BROKEN`."""
+        `_WAIT` (it may still complete), or `_BROKEN`. In a committed call (``props``: its
+        parameters) a string parameter's pair is (key, value start) as soon as `<arg_value>` is in."""
         buf = self._buf
         k = at + len(_KEY_START)
         k_end = buf.find(_KEY_END, k)
@@ -242,6 +290,8 @@ class ToolCallStreamParser:
         if not gap.startswith(_VALUE_START):
             return _BROKEN
         v += len(_VALUE_START)
+        if props is not None and is_string_param(props.get(key.strip())):
+            return key.strip(), v
         v_end = buf.find(_VALUE_END, v)
         body = buf[v:] if v_end < 0 else buf[v:v_end]
         if TOOL_CALL_START in body or TOOL_CALL_END in body:
@@ -261,7 +311,7 @@ class ToolCallStreamParser:
     def _close(self) -> None:
         self._arguments("}" if self._keys else "{}")
         self._index += 1
-        self._name, self._inside, self._pos = None, False, 0
+        self._name, self._inside, self._pos, self._value = None, False, 0, False
         self._ws, self._after_call = "", True
 
 

@@ -62,6 +62,14 @@ def test_text_input_becomes_the_chat_prompt(client, backend, tokenizer):
     assert params.max_tokens == 4096 - len(prompt)
 
 
+def test_sessions_as_on_the_chat_path(client, backend):
+    client.responses.create(model=MODEL, input="x", max_output_tokens=1, prompt_cache_key="conv-9")
+    assert backend.hints[-1].session_id == "conv-9"  # what Codex sends per conversation
+    client.responses.create(model=MODEL, input="x", max_output_tokens=1, extra_headers={"x-session-id": "h-1"})
+    assert backend.hints[-1].session_id == "h-1"
+    assert backend.hints[-1].cache_salt.startswith("key:")  # the key's own cache, as on chat
+
+
 def test_sampling_and_limits_reach_the_backend(client, backend):
     resp = client.responses.create(model=MODEL, input="x", max_output_tokens=2, temperature=0.5, top_p=0.9)
     assert resp.status == "incomplete" and resp.incomplete_details.reason == "max_output_tokens"
@@ -124,6 +132,11 @@ def test_streamed_function_call_events(client):
     assert json.loads(pieces) == {"path": "a.py"} and done[0].arguments == pieces
     final = events[-1]
     assert final.type == "response.completed" and [i.type for i in final.response.output] == ["message", "function_call"]
+    with client.responses.stream(model=MODEL, input="SCRIPT-CALL", tools=[TOOL]) as stream:  # the SDK's accumulator
+        snapshot = stream.get_final_response()
+    assert [(i.type, getattr(i, "arguments", None)) for i in snapshot.output] == [
+        ("message", None), ("function_call", pieces)]
+    assert snapshot.output_text == "Let me look."
     forced = client.responses.create(model=MODEL, input="SCRIPT-CALL", tools=[TOOL],
                                      tool_choice={"type": "function", "name": "read_file"})
     assert forced.output[-1].type == "function_call"

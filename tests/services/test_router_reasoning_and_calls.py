@@ -81,6 +81,16 @@ def test_separate_reasoning_false_keeps_the_block_in_the_content(scripted):
 
 
 def test_the_router_flag_sets_the_default():
+    tokenizer = Tokenizer.from_dir(MODEL_DIR)
+    backend = ScriptedBackend(lambda _: tokenizer.encode(SCRIPTS["THINK"]), tokenizer)
+    with serve(create_app(backend, tokenizer, MODEL, max_context=4096, separate_reasoning=False)) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        kept = client.chat.completions.create(model=MODEL, messages=_user("x"), max_tokens=100).choices[0]
+        assert kept.message.content == SCRIPTS["THINK"]  # --reasoning-parser none: the block stays
+        asked = client.chat.completions.create(model=MODEL, messages=_user("x"), max_tokens=100,
+                                               extra_body={"separate_reasoning": True}).choices[0]
+        assert (asked.message.content, asked.message.reasoning_content) == ("Hello there!", "The user greets me.")
+
     assert RouterConfig.from_args(["--model", str(MODEL_DIR), "--decode", "127.0.0.1:1", "--prefill",
                                    "127.0.0.1:2"]).reasoning_parser == "glm45"
     config = RouterConfig.from_args(["--model", str(MODEL_DIR), "--decode", "127.0.0.1:1", "--prefill",

@@ -141,6 +141,7 @@ def test_the_plan_fixes_every_port_on_the_host() -> None:
     router = specs[-1].argv
     assert router[router.index("--prefill") + 1] == ",".join(s.address for s in specs[1:3])
     assert router[router.index("--decode") + 1] == ",".join(s.address for s in specs[3:5])
+    assert router[router.index("--reasoning-parser") + 1] == "glm45"
     assert [s.stop_rank for s in specs] == [2, 1, 1, 1, 1, 0]
     for s in specs[1:5]:
         assert s.argv[s.argv.index("--port") + 1] == s.address.rsplit(":", 1)[1]

@@ -94,3 +94,15 @@ def test_template_kwargs_cannot_replace_what_the_server_sets():
     with pytest.raises(ValueError, match="chat_template_kwargs: 'messages'"):
         render_chat(USER, template_kwargs={"messages": []})
     assert "custom" not in render_chat(USER, template_kwargs={"custom": "x"})  # unknown names are ignored
+
+
+@pytest.mark.parametrize("start", ["none", "open", "closed"])
+def test_random_tags_stream_as_they_parse_whole(start):
+    rng = random.Random(start)
+    soup = ["<think>", "</think>", " ", "\n", "a", "bc", "<thi", "</th", "<", "ü"]
+    for _ in range(100):
+        text = "".join(rng.choice(soup) for _ in range(rng.randint(1, 12)))
+        whole = parse_reasoning(text, start)
+        assert _stream(text, list(range(1, len(text))), start) == whole, text
+        if len(text) > 2:
+            assert _stream(text, sorted(rng.sample(range(1, len(text)), 2)), start) == whole, text

@@ -77,10 +77,10 @@ def _assistant_output(text: str) -> str:
     return text[start : text.index(OBSERVATION, start)]
 
 
-def _stream(text: str, cuts: list[int], tools: list[dict[str, Any]] | None = TOOLS) -> ParsedOutput:
+def _stream(text: str, cuts: list[int], tools: list[dict[str, Any]] | None = TOOLS, strip: bool = False) -> ParsedOutput:
     """Fed in pieces; checks the deltas' shape: a call's first delta has its id, type and name, the
     later ones only argument pieces, at most one delta per call per feed, calls in index order."""
-    parser, content, deltas = ToolCallStreamParser(tools, call_id=_ids), "", []
+    parser, content, deltas = ToolCallStreamParser(tools, call_id=_ids, strip_values=strip), "", []
     pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
     seen: set[int] = set()
     for delta in [parser.feed(p) for p in pieces] + [parser.finish()]:
@@ -234,6 +234,22 @@ def test_arguments_stream_pair_by_pair() -> None:
     assert p.finish() == StreamDelta()
 
 
+def test_string_values_stream_as_their_characters_arrive() -> None:
+    p = ToolCallStreamParser(TOOLS, call_id=_ids)
+    d = p.feed('<tool_call>edit_file<arg_key>path</arg_key><arg_value>x.py</arg_value><arg_key>new</arg_key>'
+               '<arg_value>say "hi"')
+    assert d.tool_calls == [{"index": 0, "id": "call_0", "type": "function",
+                             "function": {"name": "edit_file", "arguments": '{"path": "x.py", "new": "say \\"hi\\"'}}]
+    assert p.feed("\nbye</arg").tool_calls == [{"index": 0, "function": {"arguments": "\\nbye"}}]  # the tag waits
+    assert p.feed("_value></tool_call>").tool_calls == [{"index": 0, "function": {"arguments": '"}'}}]
+    text = "<tool_call>edit_file<arg_key>path</arg_key><arg_value>a</arg_value><arg_key>old</arg_key><arg_value>x "
+    cut = parse_tool_calls(text + "</tool_call>tail", TOOLS, call_id=_ids)  # no </arg_value>: ends with the call
+    assert json.loads(cut.tool_calls[0]["function"]["arguments"]) == {"path": "a", "old": "x "}
+    assert cut.content == "tail"
+    stripped = parse_tool_calls(text + " \n", TOOLS, call_id=_ids, strip_values=True)  # cut short, stripped
+    assert json.loads(stripped.tool_calls[0]["function"]["arguments"]) == {"path": "a", "old": "x"}
+
+
 def test_committed_call_cut_short_keeps_its_complete_pairs() -> None:
     text = "<tool_call>read_file<arg_key>path</arg_key><arg_value>a</arg_value><arg_key>start_line</arg_key><arg_v"
     out = parse_tool_calls(text, TOOLS, call_id=_ids)
@@ -275,3 +291,26 @@ def test_default_ids_are_unique() -> None:
     text = "<tool_call>list_dir</tool_call>" * 3
     ids = [c["id"] for c in parse_tool_calls(text).tool_calls]
     assert len(set(ids)) == 3 and all(i.startswith("call_") for i in ids)
+
+
+SOUP = ["<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>", "read_file",
+        "edit_file", "list_dir", "path", "start_line", "old", " ", "\n", "a.py", "7", "x<y", "{", "}", "<tool_",
+        "</arg", "ü", '"']
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("strip", [False, True])
+def test_random_markup_streams_as_it_parses_whole(seed: int, strip: bool) -> None:
+    """Random markup soup (well formed calls mixed in): every split gives the one-shot answer, and
+    every call's pieces add up to a JSON object."""
+    rng = random.Random(seed)
+    call = "<tool_call>read_file<arg_key>path</arg_key><arg_value>a.py</arg_value></tool_call>"
+    opened = "<tool_call>edit_file<arg_key>path</arg_key><arg_value>b</arg_value><arg_key>old</arg_key><arg_value>"
+    for _ in range(150):
+        text = "".join(rng.choice(SOUP + [call, opened]) for _ in range(rng.randint(1, 14)))
+        want = parse_tool_calls(text, TOOLS, call_id=_ids, strip_values=strip)
+        for c in want.tool_calls:
+            assert isinstance(json.loads(c["function"]["arguments"]), dict)
+        cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(1, 10)))) if len(text) > 1 else []
+        assert _stream(text, cuts, strip=strip) == want, text
+        assert _stream(text, list(range(1, len(text))), strip=strip) == want, text

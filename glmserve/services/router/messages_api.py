@@ -11,13 +11,12 @@ Anthropic's shape (``{"type": "error", "error": {"type", "message"}}``) with the
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
 from glmserve.services.router.agent_chat import chat_request, renamed
 from glmserve.services.router.chat_pieces import stream_pieces, whole_pieces
-from glmserve.services.router.errors import APIError, from_value_error
+from glmserve.services.router.errors import APIError
 from glmserve.services.router.messages_bodies import PARAM_NAMES, CountTokensRequest, MessagesRequest
 from glmserve.services.router.messages_output import MessageAssembly, error_body
 from glmserve.services.router.request_run import RequestContext
@@ -55,10 +54,10 @@ class MessagesAPI:
         chat = chat_request(body.chat_body(), PARAM_NAMES)
         chat.check_model(self.serving.model_name)
         try:
-            ids = await asyncio.to_thread(self.serving.tokenizer.apply_chat_template, chat.template_messages(),
-                                          chat.active_tools())
-        except ValueError as e:
-            raise renamed(from_value_error(e, "messages"), PARAM_NAMES) from e
+            ids = await self.serving.chat_prompt(chat.template_messages(), chat.active_tools(),
+                                                 chat.chat_template_kwargs)
+        except APIError as e:
+            raise renamed(e, PARAM_NAMES) from None
         return {"input_tokens": len(ids)}
 
     async def _events(self, answer: Answer, assembly: MessageAssembly) -> AsyncIterator[dict[str, Any]]:

@@ -3,7 +3,9 @@ request they become (`agent_chat`).
 
 ``system``: a string or text blocks; ``messages``: user / assistant turns whose content is a string
 or blocks: ``text``, ``tool_use`` (assistant), ``tool_result`` (user; its content a string or text
-blocks); ``thinking`` blocks are accepted and skipped. Client tools (``input_schema``) only;
+blocks); ``thinking`` blocks become the chat message's ``reasoning_content`` (the template shows it
+while a tool loop runs). ``thinking.type`` enabled / disabled opens / closes the think block up
+front (``enable_thinking``); adaptive and unset leave it to the model. Client tools (``input_schema``) only;
 ``tool_choice`` auto / any / tool / none maps to the chat path's auto / required / named / none.
 Types are strict and unknown fields ignored (``cache_control`` included: prefix caching is
 automatic here).
@@ -50,6 +52,7 @@ class ToolResultBlockParam(OpenBody):
 
 class ThinkingBlockParam(OpenBody):
     type: Literal["thinking", "redacted_thinking"]
+    thinking: Str = ""  # a redacted block's data is opaque: nothing to show the model
 
 
 Block = Annotated[
@@ -80,9 +83,11 @@ class MessageParam(OpenBody):
         if isinstance(self.content, str):
             return [{"role": self.role, "content": self.content}]
         out: list[dict[str, Any]] = []
-        text, calls = "", []
+        text, calls, thinking = "", [], ""
         for block in self.content:
-            if isinstance(block, TextBlockParam):
+            if isinstance(block, ThinkingBlockParam):
+                thinking += block.thinking
+            elif isinstance(block, TextBlockParam):
                 text += block.text
             elif isinstance(block, ToolUseBlockParam):
                 calls.append(tool_call(block.id, block.name, json.dumps(block.input, ensure_ascii=False)))
@@ -95,6 +100,8 @@ class MessageParam(OpenBody):
             out.append({"role": "assistant", "content": text or None, "tool_calls": calls})
         elif text or not out:
             out.append({"role": self.role, "content": text})
+        if thinking and self.role == "assistant":
+            out[-1]["reasoning_content"] = thinking
         return out
 
 
@@ -126,6 +133,13 @@ class MetadataParam(OpenBody):
     user_id: Str | None = None
 
 
+class ThinkingConfigParam(OpenBody):
+    type: Literal["enabled", "disabled", "adaptive", "between_tools"]
+
+    def enable_thinking(self) -> bool | None:
+        return {"enabled": True, "disabled": False}.get(self.type)
+
+
 class JSONOutputFormatParam(OpenBody):
     type: Literal["json_schema"]
     schema_: dict[str, Any] = Field(alias="schema")
@@ -153,6 +167,7 @@ class CountTokensRequest(OpenBody):
     tools: list[ToolParam] | None = None
     tool_choice: ToolChoiceParam | None = None
     metadata: MetadataParam | None = None
+    thinking: ThinkingConfigParam | None = None
 
     @model_validator(mode="after")
     def _choice_fits_tools(self) -> CountTokensRequest:
@@ -179,7 +194,11 @@ class CountTokensRequest(OpenBody):
         return {"model": self.model, "messages": messages,
                 **({"parallel_tool_calls": False} if choice is not None and choice.disable_parallel_tool_use else {}),
                 **sampling(tools=tools or None, tool_choice=choice.chat() if tools and choice else None,
-                           user=self.session_user)}
+                           user=self.session_user, chat_template_kwargs=self._template_kwargs())}
+
+    def _template_kwargs(self) -> dict[str, Any] | None:
+        thinking = self.thinking.enable_thinking() if self.thinking is not None else None
+        return {"enable_thinking": thinking} if thinking is not None else None
 
     @property
     def session_user(self) -> str | None:

@@ -3,8 +3,10 @@ messages and chat request they become (`agent_chat`).
 
 Input: a string (one user message) or a list of items: messages (``role`` user / assistant / system
 / developer; content a string or ``input_text`` / ``output_text`` parts), ``function_call`` and
-``function_call_output`` items; ``reasoning`` items are accepted and skipped (the template has no
-place for them). Function tools only, in the Responses' flat shape (``name`` at the top). Types are
+``function_call_output`` items, and ``reasoning`` items (their text becomes the next assistant
+message's ``reasoning_content``: the chat template shows it while a tool loop runs, so the prompt
+still starts with what the model wrote). ``reasoning.effort`` "none" closes the think block up
+front, any other effort opens it (``enable_thinking``); unset, the model decides. Function tools only, in the Responses' flat shape (``name`` at the top). Types are
 strict and unknown fields ignored, as on the chat path.
 """
 
@@ -53,8 +55,25 @@ class FunctionCallOutputItem(OpenBody):
     output: Str | list[InputTextPart]
 
 
+class ReasoningPart(OpenBody):
+    type: Literal["reasoning_text", "summary_text"]
+    text: Str
+
+
 class ReasoningItem(OpenBody):
     type: Literal["reasoning"]
+    content: list[ReasoningPart] | None = None
+    summary: list[ReasoningPart] = Field(default_factory=list)
+
+    def text(self) -> str:
+        return "".join(part.text for part in self.content or self.summary)
+
+
+class ReasoningConfig(OpenBody):
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+
+    def enable_thinking(self) -> bool | None:
+        return None if self.effort is None else self.effort != "none"
 
 
 InputItem = Annotated[
@@ -120,6 +139,7 @@ class ResponsesRequest(OpenBody):
     user: Str | None = None
     prompt_cache_key: Str | None = None  # what Codex sets per conversation: the session
     metadata: dict[str, Str] | None = None
+    reasoning: ReasoningConfig | None = None
 
     @model_validator(mode="after")
     def _non_empty(self) -> ResponsesRequest:
@@ -131,17 +151,23 @@ class ResponsesRequest(OpenBody):
         """The input as chat messages (function calls join the assistant message before them)."""
         items = [MessageItem(role="user", content=self.input)] if isinstance(self.input, str) else self.input
         out: list[dict[str, Any]] = []
+        reasoning = ""  # for the assistant message that follows
         for item in items:
+            if isinstance(item, ReasoningItem):
+                reasoning += item.text()
+                continue
             if isinstance(item, MessageItem):
                 out.append({"role": item.role, "content": _text(item.content)})
             elif isinstance(item, FunctionCallItem):
                 call = tool_call(item.call_id, item.name, item.arguments)
-                if out and out[-1]["role"] == "assistant":
+                if out and out[-1]["role"] == "assistant" and not reasoning:
                     out[-1].setdefault("tool_calls", []).append(call)
                 else:
                     out.append({"role": "assistant", "content": None, "tool_calls": [call]})
             elif isinstance(item, FunctionCallOutputItem):
                 out.append({"role": "tool", "content": _text(item.output), "tool_call_id": item.call_id})
+            if reasoning and out[-1]["role"] == "assistant":
+                out[-1]["reasoning_content"], reasoning = reasoning, ""
         if not out:
             raise ValueError("input: no message or function call items")
         return out
@@ -162,7 +188,11 @@ class ResponsesRequest(OpenBody):
                 **sampling(tools=tools or None, tool_choice=choice, max_tokens=self.max_output_tokens,
                            temperature=self.temperature, top_p=self.top_p,
                            response_format=fmt.response_format() if fmt is not None else None,
-                           user=self.session_user)}
+                           user=self.session_user, chat_template_kwargs=self._template_kwargs())}
+
+    def _template_kwargs(self) -> dict[str, Any] | None:
+        thinking = self.reasoning.enable_thinking() if self.reasoning is not None else None
+        return {"enable_thinking": thinking} if thinking is not None else None
 
     @property
     def session_user(self) -> str | None:

@@ -86,8 +86,12 @@ class ResponseAssembly:
                        for part in item["content"])
         calls = [tool_call(item["call_id"], item["name"], item["arguments"])
                  for item in self.output if item["type"] == "function_call"]
+        reasoning = "".join(part["text"] for item in self.output if item["type"] == "reasoning"
+                            for part in item["content"])
         content = text or (None if calls else "")  # a chat assistant message has text, calls, or both
-        return {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
+        # The reasoning too: the template shows it while a tool loop runs (then drops it).
+        return {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {}),
+                **({"reasoning_content": reasoning} if reasoning else {})}
 
     # --- the pieces ------------------------------------------------------------------------------------
 
