@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 from tokenizers import Tokenizer
 
+from glmserve.text.special_tokens import TOOL_CALL_START
+
 
 @dataclass(frozen=True)
 class Stream:
@@ -41,24 +43,36 @@ def code_stream(tok: Tokenizer, texts: Sequence[str], eos: int) -> Stream:
 
 
 def chat_stream(
-    tok: Tokenizer, examples: Sequence[tuple[str, list[tuple[int, int]]]], context_weight: float
+    tok: Tokenizer, examples: Sequence[tuple[str, list[tuple[int, int]]]], context_weight: float,
+    decision_weight: float = 1.0,
 ) -> Stream:
-    """`examples` from `tiny_corpus.chat_examples` (text, assistant char spans)."""
+    """`examples` from `tiny_corpus.chat_examples` (text, assistant char spans). The tokens where a turn
+    decides (its first token: a call or text; each `<tool_call>` and the token after it, which picks the
+    tool) weigh `decision_weight`: a few tokens among the hundreds a turn adds to the loss."""
     ids: list[int] = []
     weights: list[float] = []
     starts: list[int] = []
     encodings = tok.encode_batch([text for text, _ in examples], add_special_tokens=False)
-    for (_, spans), enc in zip(examples, encodings, strict=True):
+    for (text, spans), enc in zip(examples, encodings, strict=True):
         starts.append(len(ids))
         ids.extend(enc.ids)
-        weights.extend(
-            1.0 if any(s < end and start < e for s, e in spans) else context_weight for start, end in enc.offsets
-        )
+        weights.extend(_token_weights(text, enc.offsets, spans, context_weight, decision_weight))
     return Stream(
         torch.tensor(ids, dtype=torch.int64),
         torch.tensor(weights, dtype=torch.float32),
         torch.tensor(starts, dtype=torch.int64),
     )
+
+
+def _token_weights(text: str, offsets, spans, context_weight: float, decision_weight: float) -> list[float]:
+    weights = [1.0 if any(s < end and start < e for s, e in spans) else context_weight for start, end in offsets]
+    for s, e in spans:
+        first = next((i for i, (_, end) in enumerate(offsets) if end > s), None)
+        calls = [i for i, (start, end) in enumerate(offsets) if s <= start < e and text[start:end] == TOOL_CALL_START]
+        names = [i + 1 for i in calls if i + 1 < len(offsets)]  # the token that starts the tool's name
+        for i in ([first] if first is not None else []) + calls + names:
+            weights[i] = decision_weight
+    return weights
 
 
 def sample_windows(

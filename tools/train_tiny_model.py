@@ -7,7 +7,8 @@ plus generated agent chats (tools/tiny_corpus.py); tokenizer: byte-level BPE (to
 trained here or, with --tokenizer-from, reused (the bundled model keeps the tokenizer of its first
 version, so token ids do not change between retrains). Code windows start anywhere in the code stream
 and count every token; chat windows start at a chat and count the assistant's output fully and the
-rest (tool lists, asks, tool results) with --context-weight.
+rest (tool lists, asks, tool results) with --context-weight. From --late-from of the steps on, chat
+windows get a larger share (--late-chat-share): the model learns code first, then mostly the chats.
 Objective: next-token loss + MTP loss (weight 0.3) + the DSA indexer's distillation loss: KL from the
 (detached) attention distribution to the indexer's softmax, first with dense attention (warm-up), then
 with attention restricted to the indexer's top-k (sparse phase, KL over the selected tokens).
@@ -183,6 +184,14 @@ def lr_at(step: int, steps: int, peak: float) -> float:
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+def shares_at(step: int, shares: list[float], args) -> list[float]:
+    """[code, chat] shares of the windows: from `--late-from` of the steps on, chats get `--late-chat-share`
+    (a fine-tuning phase on chats once the code model has formed; the data order before it is unchanged)."""
+    if args.late_chat_share is None or step < int(args.steps * args.late_from):
+        return shares
+    return [1 - args.late_chat_share, args.late_chat_share]
+
+
 def train(model, streams: list[Stream], shares: list[float], args) -> list[dict]:
     rng = random.Random(args.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
@@ -195,7 +204,7 @@ def train(model, streams: list[Stream], shares: list[float], args) -> list[dict]
     start, cpu_start = time.time() - state["wall_s"], time.process_time() - state["cpu_s"]
     for step in range(state["step"], args.steps):
         dense = step < int(args.steps * DENSE_FRACTION)
-        windows, weights = sample_windows(streams, shares, rng, args.batch, args.seq_len + 2)
+        windows, weights = sample_windows(streams, shares_at(step, shares, args), rng, args.batch, args.seq_len + 2)
         lm, mtp, ix = losses(model, windows, weights, dense)
         for group in opt.param_groups:
             group["lr"] = lr_at(step, args.steps, args.lr)
@@ -295,8 +304,14 @@ def parse_args(argv: list[str] | None):
     parser.add_argument("--steps", type=int, default=700)
     parser.add_argument("--chats", type=int, default=8000)
     parser.add_argument("--chat-share", type=float, default=0.5, help="fraction of windows drawn from chats")
+    parser.add_argument("--late-chat-share", type=float, default=None, help="chat share from --late-from on "
+                        "(default: --chat-share throughout)")
+    parser.add_argument("--late-from", type=float, default=0.5, help="fraction of the steps where the late "
+                        "chat share starts")
     parser.add_argument("--context-weight", type=float, default=0.1, help="loss weight of chat tokens the "
                         "assistant does not write")
+    parser.add_argument("--decision-weight", type=float, default=1.0, help="loss weight of the first token "
+                        "of each assistant turn (a call or text)")
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--batch", type=int, default=6)
     parser.add_argument("--lr", type=float, default=3e-3)
@@ -321,7 +336,7 @@ def main(argv: list[str] | None = None) -> None:
     mix = tiny_corpus.Mix(**{f.name: args.mix[f.name] for f in fields(tiny_corpus.Mix) if f.name in args.mix})
     examples = tiny_corpus.chat_examples(args.chats, seed=0, mix=mix)
     streams = [code_stream(tok, tiny_corpus.stdlib_texts("train"), eos),
-               chat_stream(tok, examples, args.context_weight)]
+               chat_stream(tok, examples, args.context_weight, args.decision_weight)]
     heldout = code_stream(tok, tiny_corpus.stdlib_texts("heldout"), eos)
     log(f"tokenizer + corpus: {time.time() - t0:.0f}s; tokens code {len(streams[0].ids):,} "
         f"chat {len(streams[1].ids):,} heldout {len(heldout.ids):,}")
