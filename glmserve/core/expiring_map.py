@@ -57,6 +57,12 @@ class ExpiringMap:
             return None
         return value
 
+    def delete(self, key: str) -> bool:
+        """Forget ``key``; False when it was absent or already expired."""
+        found = self.get(key) is not None
+        self._drop(key)
+        return found
+
     def _drop(self, key: str) -> None:
         entry = self._entries.pop(key, None)
         if entry is not None:

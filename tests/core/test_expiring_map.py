@@ -39,6 +39,17 @@ def test_bounds_drop_the_oldest_first():
     assert not m.put("e", b"x" * 11, 60) and m.get("e") is None
 
 
+def test_delete_forgets_an_entry_and_says_whether_it_was_there():
+    clock = Clock()
+    m = ExpiringMap(clock=clock)
+    m.put("a", b"123", 10)
+    m.put("b", b"4", 5)
+    assert m.delete("a") and m.get("a") is None and m.num_bytes == 1
+    assert not m.delete("a") and not m.delete("never")
+    clock.now = 5
+    assert not m.delete("b") and len(m) == 0 and m.num_bytes == 0  # expired: as good as gone
+
+
 def test_bad_arguments_name_the_field():
     with pytest.raises(ValueError, match="max_entries"):
         ExpiringMap(max_entries=0)

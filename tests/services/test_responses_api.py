@@ -215,3 +215,85 @@ def test_a_failure_is_an_error_answer_never_a_cut_stream(client, backend):
     finally:
         backend.fail_with, backend.fail_after = None, 0
     assert client.responses.create(model=MODEL, input="hi").status == "completed"  # still serving
+
+
+def test_delete_forgets_a_response_of_this_tenant_only(client, served):
+    url, headers = served[1], {"Authorization": f"Bearer {KEY}"}
+    resp = client.responses.create(model=MODEL, input="hi")
+    other = openai.OpenAI(base_url=f"{url}/v1", api_key=OTHER_KEY, max_retries=0)
+    with pytest.raises(openai.NotFoundError):  # another tenant's response is as unknown to it
+        other.responses.delete(resp.id)
+    assert client.responses.retrieve(resp.id).id == resp.id
+    reply = httpx.delete(f"{url}/v1/responses/{resp.id}", headers=headers)
+    assert reply.status_code == 200 and reply.json() == {"id": resp.id, "object": "response.deleted", "deleted": True}
+    with pytest.raises(openai.NotFoundError) as e:
+        client.responses.retrieve(resp.id)
+    assert e.value.body["code"] == "not_found" and resp.id in e.value.body["message"]
+    for gone in (client.responses.delete, client.responses.input_items.list):
+        with pytest.raises(openai.NotFoundError):
+            gone(resp.id)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=MODEL, input="go on", previous_response_id=resp.id)
+    assert e.value.body["param"] == "previous_response_id" and e.value.body["code"] == "previous_response_not_found"
+    streamed = list(client.responses.create(model=MODEL, input="hi", stream=True))[-1].response
+    assert client.responses.delete(streamed.id) is None  # the SDK's own call
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(streamed.id)
+
+
+def test_input_items_list_the_request_input_in_pages(client, served):
+    sent = [
+        {"role": "user", "content": "q1"},
+        {"type": "reasoning", "summary": [{"type": "summary_text", "text": "thinking"}]},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "a1"}]},
+        {"type": "function_call", "id": "fc_given", "call_id": "c1", "name": "read_file", "arguments": '{"path": "a"}'},
+        {"type": "function_call_output", "call_id": "c1", "output": "hello"},
+        {"role": "developer", "content": [{"type": "input_text", "text": "q2"}, {"type": "input_text", "text": "!"}]},
+    ]
+    resp = client.responses.create(model=MODEL, input=sent, tools=[TOOL])
+    listed = client.responses.input_items.list(resp.id, order="asc").data
+    assert [item.type for item in listed] == [item.get("type", "message") for item in sent]
+    assert listed[0].role == "user" and [(p.type, p.text) for p in listed[0].content] == [("input_text", "q1")]
+    assert listed[1].summary[0].text == "thinking" and listed[2].content[0].type == "output_text"
+    assert (listed[3].id, listed[3].call_id, listed[3].arguments) == ("fc_given", "c1", '{"path": "a"}')
+    assert listed[4].output == "hello" and [p.text for p in listed[5].content] == ["q2", "!"]
+    ids = [item.id for item in listed]
+    assert len(set(ids)) == 6 and ids[0].startswith("msg_") and ids[1].startswith("rs_")
+    assert [item.id for item in client.responses.input_items.list(resp.id)] == ids[::-1]  # desc by default
+    page = client.responses.input_items.list(resp.id, limit=4, order="asc")
+    assert [item.id for item in page.data] == ids[:4] and page.has_more
+    rest = page.get_next_page()
+    assert [item.id for item in rest.data] == ids[4:] and not rest.has_more
+    assert [item.id for item in client.responses.input_items.list(resp.id, limit=2)] == ids[::-1]  # auto-paging
+    reply = httpx.get(f"{served[1]}/v1/responses/{resp.id}/input_items", params={"limit": 1, "after": ids[4]},
+                      headers={"Authorization": f"Bearer {KEY}"}).json()
+    assert reply == {"object": "list", "data": [reply["data"][0]], "first_id": ids[3], "last_id": ids[3],
+                     "has_more": True}
+    text_only = client.responses.create(model=MODEL, input="just text", stream=True)
+    text_id = list(text_only)[-1].response.id
+    assert [(i.role, i.content[0].text) for i in client.responses.input_items.list(text_id).data] == [
+        ("user", "just text")]
+
+
+@pytest.mark.parametrize("query, param", [
+    ({"limit": 0}, "limit"), ({"limit": 101}, "limit"), ({"limit": "many"}, "limit"),
+    ({"order": "sideways"}, "order"), ({"after": "msg_unknown"}, "after"),
+])
+def test_bad_input_items_queries_are_a_400_naming_the_parameter(client, served, query, param):
+    resp = client.responses.create(model=MODEL, input="hi")
+    reply = httpx.get(f"{served[1]}/v1/responses/{resp.id}/input_items", params=query,
+                      headers={"Authorization": f"Bearer {KEY}"})
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == param, reply.text
+    assert reply.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_input_items_are_the_tenants_own(client, served):
+    resp = client.responses.create(model=MODEL, input="hi")
+    other = openai.OpenAI(base_url=f"{served[1]}/v1", api_key=OTHER_KEY, max_retries=0)
+    for response_id, reader in ((resp.id, other), ("resp_unknown", client)):
+        with pytest.raises(openai.NotFoundError):
+            reader.responses.input_items.list(response_id)
+    schema = httpx.get(f"{served[1]}/openapi.json").json()["paths"]
+    assert set(schema["/v1/responses/{response_id}"]) == {"get", "delete"}
+    assert sorted(schema["/v1/responses/{response_id}/input_items"]["get"]["responses"]) == [
+        "200", "400", "401", "404"]

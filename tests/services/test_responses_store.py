@@ -1,10 +1,12 @@
 """Stored responses where every router replica reads them: the kvstore's records (in its memory,
-or in Redis, surviving a kvstore restart), and two real routers sharing one kvstore, so a
-conversation started on one continues on the other through ``previous_response_id``."""
+or in Redis, surviving a kvstore restart, deletions included), and two real routers sharing one
+kvstore, so a conversation started on one continues on the other through ``previous_response_id``,
+its input items list on either, and a deletion on one is seen by the other."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 
 import grpc
@@ -16,7 +18,7 @@ from router_fixtures import HAS_MODEL, MODEL_DIR, ScriptedBackend, serve
 
 from glmserve.services.kvstore.client import AsyncKVStoreClient, KVStoreError
 from glmserve.services.router.app import create_app
-from glmserve.services.router.responses_store import KVStoreResponseStore
+from glmserve.services.router.responses_store import RECORD_NAMESPACE, KVStoreResponseStore
 from glmserve.text.tokenizer import Tokenizer
 
 MODEL = "glm52-tiny"
@@ -37,8 +39,11 @@ def test_records_in_the_kvstore_expire_and_are_checked():
             True, b"value", None]
         asyncio.run(asyncio.sleep(0.4))
         assert _records(port, ("get_record", "responses", "r1")) == [None]
+        assert _records(port, ("put_record", "responses", "r2", b"v", 60.0), ("delete_record", "responses", "r2"),
+                        ("get_record", "responses", "r2"), ("delete_record", "responses", "r2"),
+                        ("delete_record", "responses", "r1")) == [True, True, None, False, False]  # r1 expired
         for bad in [("put_record", "", "k", b"", 1.0), ("put_record", "n", "k", b"", 0.0),
-                    ("get_record", "n", "k" * 300)]:
+                    ("get_record", "n", "k" * 300), ("delete_record", "", "k")]:
             with pytest.raises(KVStoreError) as e:
                 _records(port, bad)
             assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
@@ -50,13 +55,17 @@ def test_records_in_redis_survive_a_kvstore_restart(tmp_path: Path):
     port = free_port()
     try:
         with kvstore(port, redis_url=redis_server.url):
-            assert _records(port, ("put_record", "responses", "r1", b"kept", 60.0)) == [True]
+            assert _records(port, ("put_record", "responses", "r1", b"kept", 60.0),
+                            ("put_record", "responses", "r2", b"gone", 60.0),
+                            ("delete_record", "responses", "r2")) == [True, True, True]
         with kvstore(port, redis_url=redis_server.url):
-            assert _records(port, ("get_record", "responses", "r1")) == [b"kept"]
+            assert _records(port, ("get_record", "responses", "r1"), ("get_record", "responses", "r2"),
+                            ("delete_record", "responses", "r2")) == [b"kept", None, False]
             redis_server.stop()
-            with pytest.raises(KVStoreError) as e:
-                _records(port, ("get_record", "responses", "r1"))
-            assert e.value.unavailable
+            for call in (("get_record", "responses", "r1"), ("delete_record", "responses", "r1")):
+                with pytest.raises(KVStoreError) as e:
+                    _records(port, call)
+                assert e.value.unavailable
     finally:
         redis_server.stop()
 
@@ -73,14 +82,60 @@ def test_two_routers_share_one_conversation():
             a, b = (openai.OpenAI(base_url=f"{u}/v1", api_key="x", max_retries=0) for u in (url_a, url_b))
             first = a.responses.create(model=MODEL, input="hello")
             assert b.responses.retrieve(first.id).output_text == "fine"
-            b.responses.create(model=MODEL, input="and now?", previous_response_id=first.id)
+            second = b.responses.create(model=MODEL, input="and now?", previous_response_id=first.id)
             assert backend.generated[-1][1] == tokenizer.apply_chat_template([
                 {"role": "user", "content": "hello"}, {"role": "assistant", "content": "fine"},
                 {"role": "user", "content": "and now?"}])
+            assert [i.content[0].text for i in a.responses.input_items.list(second.id)] == ["and now?"]
+            b.responses.delete(first.id)
+            with pytest.raises(openai.NotFoundError):
+                a.responses.retrieve(first.id)
+            with pytest.raises(openai.BadRequestError):
+                a.responses.create(model=MODEL, input="again", previous_response_id=first.id)
     with serve(create_app(backend, tokenizer, MODEL, max_context=1024,
                           response_store=KVStoreResponseStore(f"127.0.0.1:{port}", timeout_s=0.5))) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
         with pytest.raises(openai.InternalServerError) as e:  # the kvstore is gone: 503, not "not found"
             client.responses.create(model=MODEL, input="again", previous_response_id=first.id)
         assert e.value.status_code == 503
+        for call in (client.responses.delete, client.responses.input_items.list):
+            with pytest.raises(openai.InternalServerError) as e:
+                call(second.id)
+            assert e.value.status_code == 503
         assert client.responses.create(model=MODEL, input="fresh", store=False).output_text == "fine"
+
+
+@requires_redis_server
+@pytest.mark.skipif(not HAS_MODEL, reason="bundled model missing")
+def test_a_router_over_redis_records(tmp_path: Path):
+    """Input items and deletions through a kvstore keeping its records in Redis; a record stored
+    before input items were kept still reads (with none)."""
+    tokenizer = Tokenizer.from_dir(MODEL_DIR)
+    backend = ScriptedBackend(lambda _: tokenizer.encode("fine"), tokenizer)
+    redis_server = RedisServer(tmp_path / "redis").start()
+    port = free_port()
+    old = {"response": {"id": "resp_old", "object": "response", "output": []}, "messages": [], "tenant": ""}
+    try:
+        with kvstore(port, redis_url=redis_server.url):
+            app = create_app(backend, tokenizer, MODEL, max_context=1024,
+                             response_store=KVStoreResponseStore(f"127.0.0.1:{port}"))
+            with serve(app) as url:
+                client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+                kept = client.responses.create(model=MODEL, input=[{"role": "user", "content": "a"},
+                                                                   {"role": "user", "content": "b"}])
+                gone = client.responses.create(model=MODEL, input="bye")
+                client.responses.delete(gone.id)
+                _records(port, ("put_record", RECORD_NAMESPACE, "resp_old", json.dumps(old).encode(), 60.0))
+                assert client.responses.retrieve("resp_old").id == "resp_old"
+                assert client.responses.input_items.list("resp_old").data == []
+        with kvstore(port, redis_url=redis_server.url), serve(create_app(
+                backend, tokenizer, MODEL, max_context=1024,
+                response_store=KVStoreResponseStore(f"127.0.0.1:{port}"))) as url:
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+            page = client.responses.input_items.list(kept.id, order="asc", limit=1)
+            assert [i.content[0].text for i in page.data] == ["a"] and page.has_more
+            assert [i.content[0].text for i in page.get_next_page().data] == ["b"]
+            with pytest.raises(openai.NotFoundError):
+                client.responses.retrieve(gone.id)
+    finally:
+        redis_server.stop()

@@ -236,6 +236,11 @@ class AsyncKVStoreClient:
         r = await self._call("GetRecord", pb.GetRecordRequest(namespace=namespace, key=key))
         return r.value if r.found else None
 
+    async def delete_record(self, namespace: str, key: str) -> bool:
+        """Forget (namespace, key); False when it was unknown or expired."""
+        r = await self._call("DeleteRecord", pb.DeleteRecordRequest(namespace=namespace, key=key))
+        return r.found
+
     async def close(self) -> None:
         await self._channel.close()
 

@@ -1,4 +1,4 @@
-"""Records the kvstore keeps for clients (``PutRecord`` / ``GetRecord``): bytes under (namespace,
+"""Records the kvstore keeps for clients (``PutRecord`` / ``GetRecord`` / ``DeleteRecord``): bytes under (namespace,
 key) until a TTL passes. The router keeps stored Responses here so every replica reads the same
 ones. `MemoryRecords`: in this process, bounded (`ExpiringMap`); `RedisRecords`: in the Redis the
 index uses (``<prefix>:rec:<namespace>:<key>`` with Redis's own expiry), shared by every kvstore
@@ -33,6 +33,8 @@ class Records(Protocol):
 
     def get(self, namespace: str, key: str) -> bytes | None: ...
 
+    def delete(self, namespace: str, key: str) -> bool: ...
+
 
 class MemoryRecords:
     """Records in this process; thread-safe (the gRPC server calls from its handler threads)."""
@@ -51,6 +53,11 @@ class MemoryRecords:
         check_name(namespace, key)
         with self._lock:
             return self._map.get(f"{namespace}:{key}")
+
+    def delete(self, namespace: str, key: str) -> bool:
+        check_name(namespace, key)
+        with self._lock:
+            return self._map.delete(f"{namespace}:{key}")
 
 
 class RedisRecords:
@@ -83,6 +90,13 @@ class RedisRecords:
         check_name(namespace, key)
         try:
             return self._redis.get(self._key(namespace, key))
+        except self._errors as e:
+            raise IndexUnavailable(f"redis: {e}") from None
+
+    def delete(self, namespace: str, key: str) -> bool:
+        check_name(namespace, key)
+        try:
+            return bool(self._redis.delete(self._key(namespace, key)))
         except self._errors as e:
             raise IndexUnavailable(f"redis: {e}") from None
 

@@ -166,6 +166,11 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         value = self.records.get(request.namespace, request.key)
         return pb.GetRecordResponse(found=value is not None, value=value or b"")
 
+    @_rpc
+    def DeleteRecord(self, request: pb.DeleteRecordRequest,
+                     context: grpc.ServicerContext) -> pb.DeleteRecordResponse:
+        return pb.DeleteRecordResponse(found=self.records.delete(request.namespace, request.key))
+
 
 def _event_from_proto(i: int, event: pb.BlockEvent) -> tuple[str, str, Tier, list[bytes]]:
     kind = KIND_FROM_PROTO.get(event.kind)

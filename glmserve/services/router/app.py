@@ -15,9 +15,10 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import Depends, FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
@@ -30,6 +31,7 @@ from glmserve.services.router.backend import GenerationBackend
 from glmserve.services.router.errors import (
     APIError,
     internal_error,
+    invalid_request,
     method_not_allowed,
     not_found,
     unauthorized,
@@ -50,6 +52,7 @@ from glmserve.services.router.request_id import RequestIdMiddleware
 from glmserve.services.router.request_run import RequestContext
 from glmserve.services.router.responses_api import ResponsesAPI
 from glmserve.services.router.responses_bodies import ResponsesRequest
+from glmserve.services.router.responses_items import DEFAULT_LIMIT, MAX_LIMIT
 from glmserve.services.router.responses_store import MemoryResponseStore, ResponseStore
 from glmserve.services.router.serving import Answer, OpenAIServing
 from glmserve.services.router.tokenize_requests import DetokenizeRequest, TokenizeRequest
@@ -138,9 +141,24 @@ def create_app(
         ctx = _context(request, body.session_user, 0, arrival, bool(api_keys))
         return _respond(request, await responses.create(body, ctx))
 
+    def tenant(request: Request) -> str:
+        return _tenant(_presented_key(request) if api_keys else None)
+
     @app.get("/v1/responses/{response_id}", dependencies=[Depends(authorize)])
     async def get_response(request: Request, response_id: str) -> dict[str, Any]:
-        return await responses.get(response_id, _tenant(_presented_key(request) if api_keys else None))
+        return await responses.get(response_id, tenant(request))
+
+    @app.delete("/v1/responses/{response_id}", dependencies=[Depends(authorize)])
+    async def delete_response(request: Request, response_id: str) -> dict[str, Any]:
+        return await responses.delete(response_id, tenant(request))
+
+    @app.get("/v1/responses/{response_id}/input_items", dependencies=[Depends(authorize)])
+    async def list_input_items(
+        request: Request, response_id: str, limit: Annotated[int, Query(ge=1, le=MAX_LIMIT)] = DEFAULT_LIMIT,
+        order: Literal["asc", "desc"] = "desc", after: str | None = None,
+        include: Annotated[list[str] | None, Query(description="accepted; no item here has extra fields")] = None,
+    ) -> dict[str, Any]:
+        return await responses.input_items(response_id, tenant(request), limit, order, after)
 
     @app.post("/v1/messages", dependencies=[Depends(authorize)])
     async def create_message(request: Request) -> Response:
@@ -340,6 +358,12 @@ def _install_error_handlers(app: FastAPI, metrics: RouterMetrics) -> None:
     @app.exception_handler(APIError)
     async def api_error(request: Request, err: APIError) -> JSONResponse:
         return answer(request, err)
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_parameter(request: Request, err: RequestValidationError) -> JSONResponse:
+        first = err.errors()[0]  # a path or query parameter (bodies are parsed by the routes)
+        param = str(first["loc"][-1])
+        return answer(request, invalid_request(f"{param}: {first['msg']}", param))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:

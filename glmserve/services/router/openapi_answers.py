@@ -29,7 +29,7 @@ SSE_EVENT: dict[str, Any] = {  # one event of a streamed answer (its data: a JSO
 _RETRY_AFTER = {"Retry-After": {"description": "seconds to wait before trying again",
                                 "schema": {"type": "string"}}}
 _WHY = {
-    400: "invalid request (the message names the field)",
+    400: "invalid request (the message names the field or parameter)",
     401: "missing or wrong API key",
     404: "unknown model",
     413: "request body too large",
@@ -60,6 +60,10 @@ def document_answers(schema: dict[str, Any], generation_paths: set[str]) -> None
                 statuses = (503,)
             else:
                 statuses = ()
+            # Bad path or query parameters are the OpenAI 400, never FastAPI's 422.
+            responses.pop("422", None)
+            if any(p.get("in") == "query" for p in operation.get("parameters", [])):
+                statuses = (400, *statuses)
             if path == "/metrics":
                 responses["200"] = {"description": "Prometheus text format",
                                     "content": {"text/plain": {"schema": {"type": "string"}}}}

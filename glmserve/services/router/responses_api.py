@@ -5,21 +5,24 @@ A request becomes a chat request (`responses_bodies`): the stored conversation o
 ``previous_response_id`` (`responses_store`), then this input, with ``instructions`` as the system
 message in front. Its answer, whole or streamed, is reshaped into a Response (`responses_output`).
 Refusals (400, 404, 429, 503) come before any byte of a stream, as on the chat path. With
-``store`` (the default) the response and its conversation are kept for the next turn and for
-``GET /v1/responses/{id}``; ``store: false`` keeps nothing.
+``store`` (the default) the response, its conversation and its input items (`responses_items`)
+are kept for the next turn, for ``GET /v1/responses/{id}`` and ``.../input_items``, until
+``DELETE /v1/responses/{id}``; ``store: false`` keeps nothing. A tenant reads and deletes only
+what it stored: another tenant's response is a 404, as an unknown one.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, Literal
 
 from glmserve.services.router.agent_chat import chat_request, renamed
 from glmserve.services.router.chat_pieces import stream_pieces, whole_pieces
 from glmserve.services.router.errors import APIError, from_value_error, invalid_request
 from glmserve.services.router.request_run import RequestContext
 from glmserve.services.router.responses_bodies import PARAM_NAMES, ResponsesRequest
+from glmserve.services.router.responses_items import input_items, item_page
 from glmserve.services.router.responses_output import ResponseAssembly
 from glmserve.services.router.responses_store import ResponseStore, StoredResponse
 from glmserve.services.router.serving import Answer, OpenAIServing
@@ -63,6 +66,21 @@ class ResponsesAPI:
             raise response_not_found(response_id)
         return record.response
 
+    async def delete(self, response_id: str, tenant: str) -> dict[str, Any]:
+        """``DELETE /v1/responses/{id}``: forget a response ``tenant`` stored, or 404."""
+        record = await self._stored(response_id, tenant)
+        if record is None or not await self.store.delete(response_id):
+            raise response_not_found(response_id)
+        return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+    async def input_items(self, response_id: str, tenant: str, limit: int, order: Literal["asc", "desc"],
+                          after: str | None) -> dict[str, Any]:
+        """``GET /v1/responses/{id}/input_items``: one page of the request's input items, or 404."""
+        record = await self._stored(response_id, tenant)
+        if record is None:
+            raise response_not_found(response_id)
+        return item_page(record.input_items, limit, order, after)
+
     async def _stored(self, response_id: str, tenant: str) -> StoredResponse | None:
         record = await self.store.get(response_id)
         return record if record is not None and record.tenant == tenant else None
@@ -85,7 +103,7 @@ class ResponsesAPI:
                     tenant: str) -> None:
         if body.store and assembly.status in ("completed", "incomplete"):
             await self.store.put(StoredResponse(assembly.response(), messages + [assembly.assistant_message()],
-                                                tenant))
+                                                tenant, input_items(body)))
 
     async def _events(self, answer: Answer, assembly: ResponseAssembly, body: ResponsesRequest,
                       messages: list[dict[str, Any]], tenant: str) -> AsyncIterator[dict[str, Any]]:

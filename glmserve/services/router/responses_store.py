@@ -1,18 +1,20 @@
-"""Where stored Responses live (``store: true``), so ``previous_response_id`` and
-``GET /v1/responses/{id}`` work on every router replica.
+"""Where stored Responses live (``store: true``), so ``previous_response_id``,
+``GET /v1/responses/{id}`` (and its input items) and ``DELETE`` work on every router replica.
 
-A record is one response and the conversation it ended (chat messages, its output included; the
-``instructions`` are not part of it, as in the OpenAI API), and the tenant (API key digest) it
-belongs to: another tenant never reads it. `MemoryResponseStore` keeps records in
-this router (one replica, e.g. serve-local); `KVStoreResponseStore` keeps them in the kvstore
-service (its memory, or its Redis when it has one), which every replica reaches.
+A record is one response, the conversation it ended (chat messages, its output included; the
+``instructions`` are not part of it, as in the OpenAI API), the request's own input items (for
+``GET /v1/responses/{id}/input_items``; records stored before they were kept have none), and the
+tenant (API key digest) it belongs to: another tenant never reads or deletes it.
+`MemoryResponseStore` keeps records in this router (one replica, e.g. serve-local);
+`KVStoreResponseStore` keeps them in the kvstore service (its memory, or its Redis when it has
+one), which every replica reaches. Deleting removes the record (the kvstore's ``DeleteRecord``).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from glmserve.core.expiring_map import ExpiringMap
@@ -30,15 +32,18 @@ class StoredResponse:
     response: dict[str, Any]
     messages: list[dict[str, Any]]
     tenant: str = ""
+    input_items: list[dict[str, Any]] = field(default_factory=list)
 
     def to_bytes(self) -> bytes:
-        record = {"response": self.response, "messages": self.messages, "tenant": self.tenant}
+        record = {"response": self.response, "messages": self.messages, "tenant": self.tenant,
+                  "input_items": self.input_items}
         return json.dumps(record, ensure_ascii=False).encode()
 
     @classmethod
     def from_bytes(cls, data: bytes) -> StoredResponse:
         record = json.loads(data)
-        return cls(record["response"], record["messages"], record.get("tenant", ""))
+        return cls(record["response"], record["messages"], record.get("tenant", ""),
+                   record.get("input_items", []))
 
 
 class ResponseStore(Protocol):
@@ -47,6 +52,10 @@ class ResponseStore(Protocol):
 
     async def get(self, response_id: str) -> StoredResponse | None:
         """The record, or None when unknown or expired; 503 when the store cannot answer."""
+
+    async def delete(self, response_id: str) -> bool:
+        """Forget the record; False when it was unknown or expired; 503 when the store cannot
+        answer."""
 
     async def close(self) -> None:
         """Let go of connections (the app's lifespan ends)."""
@@ -66,6 +75,9 @@ class MemoryResponseStore:
     async def get(self, response_id: str) -> StoredResponse | None:
         data = self._records.get(response_id)
         return StoredResponse.from_bytes(data) if data is not None else None
+
+    async def delete(self, response_id: str) -> bool:
+        return self._records.delete(response_id)
 
     async def close(self) -> None:
         pass
@@ -102,6 +114,13 @@ class KVStoreResponseStore:
             log.warning("stored response %s unreadable: %s", response_id, e)
             raise service_unavailable("stored responses cannot be read right now; retry later") from None
         return StoredResponse.from_bytes(data) if data is not None else None
+
+    async def delete(self, response_id: str) -> bool:
+        try:
+            return await self._client.delete_record(RECORD_NAMESPACE, response_id)
+        except KVStoreError as e:
+            log.warning("stored response %s not deleted: %s", response_id, e)
+            raise service_unavailable("stored responses cannot be deleted right now; retry later") from None
 
     async def close(self) -> None:
         if self._open is not None:

@@ -245,3 +245,17 @@ class GetRecordResponse(_message.Message):
     found: bool
     value: bytes
     def __init__(self, found: _Optional[bool] = ..., value: _Optional[bytes] = ...) -> None: ...
+
+class DeleteRecordRequest(_message.Message):
+    __slots__ = ("namespace", "key")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    key: str
+    def __init__(self, namespace: _Optional[str] = ..., key: _Optional[str] = ...) -> None: ...
+
+class DeleteRecordResponse(_message.Message):
+    __slots__ = ("found",)
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    def __init__(self, found: _Optional[bool] = ...) -> None: ...

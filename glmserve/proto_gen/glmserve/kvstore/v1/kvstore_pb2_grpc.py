@@ -97,6 +97,11 @@ class KVStoreStub:
                 request_serializer=glmserve_dot_kvstore_dot_v1_dot_kvstore__pb2.GetRecordRequest.SerializeToString,
                 response_deserializer=glmserve_dot_kvstore_dot_v1_dot_kvstore__pb2.GetRecordResponse.FromString,
                 _registered_method=True)
+        self.DeleteRecord = channel.unary_unary(
+                '/glmserve.kvstore.v1.KVStore/DeleteRecord',
+                request_serializer=glmserve_dot_kvstore_dot_v1_dot_kvstore__pb2.DeleteRecordRequest.SerializeToString,
+                response_deserializer=glmserve_dot_kvstore_dot_v1_dot_kvstore__pb2.DeleteRecordResponse.FromString,
+                _registered_method=True)
 
 
 class KVStoreServicer:
@@ -192,6 +197,12 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DeleteRecord(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -254,6 +265,11 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.GetRecord,
                     request_deserializer=glmserve_dot_kvstore_dot_v1_dot_kvstore__pb2.GetRecordRequest.FromString,
                     response_serializer=glmserve_dot_kvstore_dot_v1_dot_kvstore__pb2.GetRecordResponse.SerializeToString,
+            ),
+            'DeleteRecord': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteRecord,
+                    request_deserializer=glmserve_dot_kvstore_dot_v1_dot_kvstore__pb2.DeleteRecordRequest.FromString,
+                    response_serializer=glmserve_dot_kvstore_dot_v1_dot_kvstore__pb2.DeleteRecordResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -582,6 +598,33 @@ class KVStore:
             '/glmserve.kvstore.v1.KVStore/GetRecord',
             glmserve_dot_kvstore_dot_v1_dot_kvstore__pb2.GetRecordRequest.SerializeToString,
             glmserve_dot_kvstore_dot_v1_dot_kvstore__pb2.GetRecordResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteRecord(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/glmserve.kvstore.v1.KVStore/DeleteRecord',
+            glmserve_dot_kvstore_dot_v1_dot_kvstore__pb2.DeleteRecordRequest.SerializeToString,
+            glmserve_dot_kvstore_dot_v1_dot_kvstore__pb2.DeleteRecordResponse.FromString,
             options,
             channel_credentials,
             insecure,
