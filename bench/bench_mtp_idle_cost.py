@@ -100,7 +100,9 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for b in args.batches:
         m = measure(model, code_prompts(tokenizer, b, 128, 256, args.seed + b), args.steps, args.warmup_steps)
-        rows.append([b, f"{m['off_ms']:.1f}", f"{m['auto_quiet_ms']:.1f}", f"{m['cost']:+.1%}", m["quiet_pairs"],
+        quiet = m["quiet_pairs"] > 0  # else auto drafted on every step: no idle step to price
+        rows.append([b, f"{m['off_ms']:.1f}", f"{m['auto_quiet_ms']:.1f}" if quiet else "-",
+                     f"{m['cost']:+.1%}" if quiet else "-", m["quiet_pairs"],
                      f"{m['drafted_share']:.0%}", f"{m['tokens_per_step']:.2f}"])
         print(f"batch {b} done", file=sys.stderr)
     print_header("MTP auto while it drafts nothing vs off, step by step",
