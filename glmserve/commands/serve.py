@@ -56,6 +56,7 @@ class ServeConfig:
     prefill_stages: int = 1  # LayerSplit: stage processes per prefill worker
     prefill_layer_split: str | None = None  # explicit stage ranges (else the planner's)
     routing: str = "cache_aware"  # the router's --routing (checked by the router)
+    local_prefill: str = "auto"  # the router's --local-prefill (checked by the router)
     reasoning_parser: str = "glm45"  # the router's --reasoning-parser (checked by the router)
     migration_limit: int = 3  # the router's --migration-limit (0: streams never resume elsewhere)
 
@@ -114,6 +115,7 @@ class ServeConfig:
                    prefill_stages=getattr(args, "prefill_stages", 1),
                    prefill_layer_split=getattr(args, "prefill_layer_split", None),
                    routing=getattr(args, "routing", cls.routing),
+                   local_prefill=getattr(args, "local_prefill", cls.local_prefill),
                    reasoning_parser=getattr(args, "reasoning_parser", cls.reasoning_parser),
                    migration_limit=getattr(args, "migration_limit", cls.migration_limit))
 
@@ -146,6 +148,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", action="append", default=[], help="require this key (repeatable)")
     p.add_argument("--routing", choices=["cache_aware", "least_loaded", "round_robin"], default="cache_aware",
                    help="how the router picks a prefill worker")
+    p.add_argument("--local-prefill", choices=["auto", "off", "always"], default=ServeConfig.local_prefill,
+                   help="auto: a decode worker prefills a prompt itself while prompts queue at the prefill "
+                        "workers; off: never; always: every prompt")
     p.add_argument("--reasoning-parser", choices=["glm45", "none"], default=ServeConfig.reasoning_parser,
                    help="glm45: chat answers carry <think> blocks as reasoning_content; none: in the content")
     p.add_argument("--migration-limit", type=int, default=ServeConfig.migration_limit,
@@ -243,6 +248,7 @@ def plan(cfg: ServeConfig) -> list[ChildSpec]:
         py, "-m", "glmserve.services.router.main", "--model", str(cfg.model), "--host", cfg.host,
         "--port", str(router_port), "--kvstore", kv, "--prefill", ",".join(addresses["prefill"]),
         "--decode", ",".join(addresses["decode"]), "--routing", cfg.routing, "--reasoning-parser", cfg.reasoning_parser,
+        "--local-prefill", cfg.local_prefill,
         "--drain-timeout-s", str(cfg.drain_timeout_s), "--migration-limit", str(cfg.migration_limit),
         *[a for key in cfg.api_keys for a in ("--api-key", key)]),
         url, None, STOP_RANKS["router"], ready=http_ok(f"{url}/ready")))

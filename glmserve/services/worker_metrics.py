@@ -130,6 +130,9 @@ class WorkerMetrics:
         self.prompt_tokens = Counter("glmserve_worker_prompt_tokens", "Prompt tokens of accepted requests.",
                                      registry=r)
         self.generation_tokens = Counter("glmserve_worker_generation_tokens", "Tokens generated.", registry=r)
+        self.local_prefills = Counter("glmserve_decode_local_prefills",
+                                      "Requests a decode worker prefilled itself (the router chose local prefill).",
+                                      registry=r)
         self.queue_time = Histogram("glmserve_worker_request_queue_time_seconds",
                                     "Arrival at this worker to first scheduled.", buckets=_PHASE_BUCKETS, registry=r)
         self.prefill_time = Histogram("glmserve_worker_request_prefill_time_seconds",

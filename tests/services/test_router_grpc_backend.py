@@ -29,6 +29,7 @@ from glmserve.proto_gen.glmserve.prefill.v1 import prefill_pb2 as prefill_pb
 from glmserve.proto_gen.glmserve.prefill.v1 import prefill_pb2_grpc as prefill_grpc
 from glmserve.services.router.backend import BackendUnavailable, WorkerUnreachable
 from glmserve.services.router.grpc_backend import DisaggregatedBackend
+from glmserve.services.router.local_prefill import LocalPrefillConfig
 
 REPO = Path(__file__).resolve().parents[2]
 TOKENS = [11, 12, 13, 14, 15]
@@ -159,6 +160,33 @@ def test_streams_events_and_sends_the_request_contract() -> None:
         assert not backend.ready()
         await d_server.stop(None)
         await p_server.stop(None)
+
+    run(scenario)
+
+
+@pytest.mark.parametrize("mode", ["auto", "off", "always"])
+def test_local_prefill_under_a_prefill_backlog(mode: str) -> None:
+    """auto: the first prompt goes to the prefill worker; while it is being prefilled (until its
+    first event) the next equal one is cheaper on the decode worker, and so on, alternating. Every
+    stream is the same; the counts and the router's queued tokens add up."""
+    async def scenario() -> None:
+        decode = FakeDecode(TOKENS, delay_s=0.2)
+        server, addr = await start_fake(decode=decode, prefill=FakePrefill())
+        backend = DisaggregatedBackend([addr], [addr], poll_interval_s=0.05, local_prefill=LocalPrefillConfig(mode))
+        await backend.start()
+        await eventually(backend.ready)
+        streams = [asyncio.create_task(collect(backend.generate(f"r{i}", [1] * 100, SamplingParams(max_tokens=2))))
+                   for i in range(4)]
+        outs = await asyncio.gather(*streams)
+        assert all([e.token_ids for e in out] == [[11], [12]] for out in outs)
+        local = {r.transfer.request_id for r in decode.requests if r.prefill_locally}
+        assert all(r.prefill_target == addr for r in decode.requests)
+        assert local == {"auto": {"r1", "r3"}, "off": set(), "always": {"r0", "r1", "r2", "r3"}}[mode]
+        counted = backend.prefix_router.metrics.local_prefills
+        assert sum(counted.labels(reason=r)._value.get() for r in ("backlog", "always")) == len(local)
+        assert backend.local_prefill.queued(addr) == 0 and backend.prefix_router.queued_tokens(addr) == 0
+        await backend.close()
+        await server.stop(None)
 
     run(scenario)
 

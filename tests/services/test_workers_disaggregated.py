@@ -67,15 +67,17 @@ def _prompts(rng: random.Random, n: int, lo: int, hi: int) -> list[list[int]]:
 
 
 async def _run_all(decode: WorkerProcess, jobs: list[tuple[str, list[int], dict]], prefill: str,
-                   params: SamplingParams = GREEDY, limit: int = 6) -> list[Outcome]:
-    """Run ``(request id, prompt, cancel kwargs)`` jobs, at most ``limit`` at a time."""
+                   params: SamplingParams = GREEDY, limit: int = 6, local: set[str] = frozenset()) -> list[Outcome]:
+    """Run ``(request id, prompt, cancel kwargs)`` jobs, at most ``limit`` at a time; those whose id
+    is in ``local`` are prefilled by the decode worker itself."""
     gate = asyncio.Semaphore(limit)
     async with grpc.aio.insecure_channel(decode.address) as channel:
         stub = decode_grpc.DecodeStub(channel)
 
         async def one(rid: str, prompt: list[int], cancel: dict) -> Outcome:
             async with gate:
-                return await generate(stub, generate_request(rid, prompt, params, prefill), **cancel)
+                return await generate(stub, generate_request(rid, prompt, params, prefill, local=rid in local),
+                                      **cancel)
 
         return await asyncio.gather(*(one(*job) for job in jobs))
 
@@ -152,7 +154,9 @@ async def _bad_requests(decode: WorkerProcess, prefill: str) -> list[str]:
     return codes
 
 
-def _cancellation_storm(kind: str, prefill: WorkerProcess, decode: WorkerProcess, oracle, n: int, seed: int):
+def _cancellation_storm(kind: str, prefill: WorkerProcess, decode: WorkerProcess, oracle, n: int, seed: int,
+                        local_share: float = 0.0):
+    """``local_share``: the part of the requests the decode worker prefills itself."""
     rng = random.Random(seed)
     free = (prefill.health().free_blocks, decode.health().free_blocks)
     jobs = []
@@ -164,8 +168,9 @@ def _cancellation_storm(kind: str, prefill: WorkerProcess, decode: WorkerProcess
                   "prefill": {"cancel_after_s": rng.uniform(0.02, 0.5)},
                   "decode": {"cancel_after_events": rng.randint(1, 3)}}.get(stage, {})
         jobs.append((f"storm-{kind}-{seed}-{i}", prompt, cancel))
+    local = {rid for rid, _, _ in jobs if rng.random() < local_share}
     start = time.monotonic()
-    outs = asyncio.run(_run_all(decode, jobs, prefill.address))
+    outs = asyncio.run(_run_all(decode, jobs, prefill.address, local=local))
     elapsed = time.monotonic() - start
     for (_, prompt, cancel), out in zip(jobs, outs, strict=True):
         if not cancel:
@@ -184,6 +189,27 @@ def _cancellation_storm(kind: str, prefill: WorkerProcess, decode: WorkerProcess
 def test_random_cancellations(workers, oracle):
     kind, prefill, decode = workers
     _cancellation_storm(kind, prefill, decode, oracle, n=30, seed=2)
+
+
+def test_local_prefill(workers, oracle):
+    """Prompts the decode worker prefills itself (the router's local prefill), beside ones a prefill
+    worker computes: every output equals the oracle, its prefix cache serves a repeat, and
+    cancellations at every stage of both paths leave both pools full."""
+    kind, prefill, decode = workers
+    free = (prefill.health().free_blocks, decode.health().free_blocks)
+    before = decode.metrics().get(("glmserve_decode_local_prefills_total", ()), 0)
+    ps = _prompts(random.Random(5), 6, 5, 300)
+    jobs = [(f"local-{kind}-{i}", p, {}) for i, p in enumerate(ps)]
+    local = {rid for rid, _, _ in jobs[::2]}
+    outs = asyncio.run(_run_all(decode, jobs, prefill.address, local=local))
+    for p, out in zip(ps, outs, strict=True):
+        assert out.finish_reason in ("stop", "length") and out.tokens == oracle(p), out.error
+    again = asyncio.run(_run_all(decode, [(f"local-again-{kind}", ps[0], {})], prefill.address,
+                                 local={f"local-again-{kind}"}))[0]
+    assert again.tokens == oracle(ps[0]) and again.num_cached_tokens == len(ps[0]) // 64 * 64
+    assert decode.metrics()[("glmserve_decode_local_prefills_total", ())] - before == len(local) + 1
+    _assert_pools_full(prefill, decode, free)
+    _cancellation_storm(kind, prefill, decode, oracle, n=30, seed=6, local_share=0.5)
 
 
 @pytest.mark.slow

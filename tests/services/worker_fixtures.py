@@ -151,10 +151,12 @@ class Outcome:
 
 
 def generate_request(request_id: str, prompt: Sequence[int], params: SamplingParams, prefill: str,
-                     generation: int = 1) -> decode_pb.GenerateRequest:
+                     generation: int = 1, local: bool = False) -> decode_pb.GenerateRequest:
+    """``local``: the decode worker prefills the prompt itself (the router's local prefill)."""
     return decode_pb.GenerateRequest(
         transfer=common_pb.TransferId(request_id=request_id, generation=generation),
         prompt_ids=list(prompt), sampling=sampling_to_proto(params), prefill_target=prefill,
+        prefill_locally=local,
     )
 
 

@@ -42,8 +42,10 @@ class _Ended(Exception):
 
 class DecodeFlow:
     def __init__(self, ctx: FlowContext, request_id: str, generation: int, prompt_ids: list[int],
-                 params: SamplingParams, prefill_target: str, timer: TokenTimer | None,
+                 params: SamplingParams, prefill_target: str | None, timer: TokenTimer | None,
                  cache_salt: str = "") -> None:
+        """``prefill_target`` None: this worker prefills the prompt itself (the router chose local
+        prefill), so there is no reservation, no Prefill call and no transfer."""
         self._ctx = ctx
         self.cache_salt = cache_salt  # tenant prefix-cache salt, for prefill and our own commits
         self.request_id, self.generation = request_id, generation
@@ -59,6 +61,7 @@ class DecodeFlow:
         self.retryable = False  # it ended before any token for a reason of the path (`_Ended`)
         self.task: asyncio.Task[None] | None = None
         self._dest: list[int] = []  # the reserved blocks covering the prompt
+        self.local = prefill_target is None
 
     def start(self, on_done: Callable[[DecodeFlow], None]) -> None:
         self.task = asyncio.create_task(self._run(on_done), name=f"decode-{self.key}")
@@ -84,13 +87,13 @@ class DecodeFlow:
 
     async def _run(self, on_done: Callable[[DecodeFlow], None]) -> None:
         try:
-            final = await self._decode(await self._prefill())
+            final = await self._decode(await (self._prefill_here() if self.local else self._prefill()))
         except _Ended as e:
             self.retryable = e.retryable and self._abort_reason is None
             final = self._final(e.reason, e.error)
         except Exception as e:  # a bug: end the stream; blocks in an unknown state wait out the backstop
             log.exception("decode request %s failed", self.key)
-            if self.stage == "decode":
+            if self.stage == "decode" or self.local:
                 self._ctx.engine.submit_nowait(lambda eng: eng.abort(self.key))
             else:
                 self._ctx.release_later(self.key, self._ctx.settings.prefill_timeout_s)
@@ -116,6 +119,8 @@ class DecodeFlow:
         """Stage 1, before the stream exists: raises ``OutOfBlocks`` (the worker is full) or
         ``ValueError`` (this request id and generation still hold blocks), holding nothing then.
         A caller cancelled meanwhile leaves nothing behind either."""
+        if self.local:  # the engine allocates as it prefills (and queues the request until it can)
+            return
         n = len(self._prompt)
         reserved = self._ctx.engine.submit(lambda e: e.reserve(self.key, n + 1))
         try:
@@ -164,6 +169,27 @@ class DecodeFlow:
             ctx.transfer_failed("stamp")
             raise _Ended("error", f"KV transfer rejected: {e}") from None
         self.num_cached = answer.output.num_cached_tokens
+        return first
+
+    async def _prefill_here(self) -> TokenEvent:
+        """Stages 2 and 3 on this worker's own engine: the request joins the batch as a prompt, and
+        its chunks run beside the other streams' decode steps. The first token's event."""
+        if self._abort_reason is not None:
+            raise _Ended(self._abort_finish, self._abort_reason)
+        self.stage = "prefill"
+        if self._timer is not None:
+            self._timer.scheduled()
+        prompt, params, salt = self._prompt, self._params, self.cache_salt or None
+        self._stream = self._ctx.engine.open(self.key)  # before the request is in the engine
+        try:
+            await self._ctx.engine.submit(lambda e: e.add_request(self.key, prompt, params, cache_salt=salt))
+        except ValueError as e:  # the sampling parameters cannot apply here (a grammar that does not compile)
+            raise _Ended("error", f"invalid request: {e}") from None
+        if self._abort_reason is not None:  # aborted while joining: the stream already ended
+            self._ctx.engine.submit_nowait(lambda e: e.abort(self.key))
+            raise _Ended(self._abort_finish, self._abort_reason)
+        first = await self._stream.next()
+        self.num_cached = first.num_cached_tokens
         return first
 
     async def _await_arrival(self, arrival: asyncio.Future[tuple[TransferStamp, ...]]) -> None:

@@ -40,6 +40,7 @@ class DecodeServicer(pb_grpc.DecodeServicer):
                 sampling_from_proto(request.sampling),
                 request.prefill_target,
                 request.cache_salt,
+                request.prefill_locally,
             )
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))

@@ -11,6 +11,10 @@ The gRPC servicer is a thin adapter over ``generate`` / ``abort`` / ``health``. 
    (request id, generation, checksum over the destination blocks), then ``add_prefilled``;
 4. decode: the request's stream on the `EngineHost` carries the engine's events until it finishes.
 
+When the router asks for local prefill (``prefill_locally``), steps 1-3 are the engine's own: the
+request joins this worker's batch as a prompt, its chunks run beside the other streams' decode steps,
+and no transfer is involved.
+
 The engine's request id is ``<request id>@<generation>``, so blocks kept for an old generation can
 never be confused with a newer one's.
 
@@ -150,22 +154,23 @@ class DecodeWorker:
 
     async def generate(
         self, request_id: str, generation: int, prompt_ids: Sequence[int], params: SamplingParams,
-        prefill_target: str, cache_salt: str = "",
+        prefill_target: str, cache_salt: str = "", prefill_locally: bool = False,
     ) -> DecodeStream:
         """Reserve the request's blocks and start it. Raises, with nothing held: ``ValueError``
         naming the field for bad input, `DecodeFull` when the blocks are not there, and
-        `DecodeUnavailable` when not serving."""
+        `DecodeUnavailable` when not serving. ``prefill_locally``: this worker's engine computes
+        the prompt itself (``prefill_target`` is then unused)."""
         if not self._ready():
             raise DecodeUnavailable("the decode worker is not serving")
         assert self._context is not None
         if request_id in self._flows:
             raise ValueError(f"request_id: {request_id!r} is already running")
-        if not prefill_target:
-            raise ValueError("prefill_target: must be host:port of a prefill worker")
+        if not prefill_target and not prefill_locally:
+            raise ValueError("prefill_target: must be host:port of a prefill worker (or prefill_locally set)")
         self._context.validate(prompt_ids, params)
         timer = TokenTimer(self.metrics) if self.metrics is not None else None
         flow = DecodeFlow(self._context, request_id, generation, list(prompt_ids), params,
-                          prefill_target, timer, cache_salt)
+                          None if prefill_locally else prefill_target, timer, cache_salt)
         self._flows[request_id] = flow
         try:
             await flow.reserve()
@@ -177,6 +182,8 @@ class DecodeWorker:
             raise
         if self.metrics is not None:
             self.metrics.prompt_tokens.inc(len(prompt_ids))
+            if prefill_locally:
+                self.metrics.local_prefills.inc()
         flow.start(on_done=self._forget)
         return DecodeStream(flow)
 

@@ -58,6 +58,7 @@ from glmserve.services.router.backend import (
     RequestHints,
     WorkerUnreachable,
 )
+from glmserve.services.router.local_prefill import LocalPrefill, LocalPrefillConfig
 from glmserve.services.router.prefill_routing import RoutingConfig
 from glmserve.services.router.prefix_router import PrefixRouter, RoutedPrefill
 from glmserve.services.router.stream_migration import SentSoFar
@@ -86,6 +87,16 @@ def _refused(refusals: list[grpc.aio.AioRpcError]) -> BackendUnavailable:
 
 def _error_event(request_id: str, message: str) -> TokenEvent:
     return TokenEvent.ended(request_id, "error", message)
+
+
+@dataclass
+class _PrefillHold:
+    """Who computes an attempt's prompt: the routed prefill worker, or (``local``: the reason) the
+    decode worker itself."""
+
+    routed: RoutedPrefill
+    decode: str
+    local: str | None
 
 
 @dataclass
@@ -123,6 +134,7 @@ class DisaggregatedBackend(GenerationBackend):
         max_attempts: int = 3,
         migration_limit: int = 3,
         routing: RoutingConfig | None = None,
+        local_prefill: LocalPrefillConfig | None = None,
         tracing: Tracing | None = None,
     ):
         if poll_interval_s <= 0 or health_timeout_s <= 0 or max_attempts < 1 or migration_limit < 0:
@@ -142,6 +154,7 @@ class DisaggregatedBackend(GenerationBackend):
         self._tracing = tracing or Tracing()
         self.prefix_router = PrefixRouter(self.prefill_pool, routing or RoutingConfig(),
                                           lambda: self.kvstore_up)
+        self.local_prefill = LocalPrefill(local_prefill or LocalPrefillConfig())
 
     # --- GenerationBackend ------------------------------------------------------------------------
 
@@ -255,15 +268,17 @@ class DisaggregatedBackend(GenerationBackend):
             if stream.aborted:
                 yield TokenEvent.ended(request_id, "abort")
                 return
+            local = self.local_prefill.choose(decode, len(prompt), self.prefix_router.queued_tokens(prefill))
             request = decode_pb.GenerateRequest(
                 transfer=common_pb.TransferId(request_id=request_id, generation=next(self._generations)),
                 prompt_ids=prompt, sampling=sampling_to_proto(attempt_params), prefill_target=prefill,
-                cache_salt=hints.cache_salt or "",
+                cache_salt=hints.cache_salt or "", prefill_locally=local is not None,
             )
-            span.attempt(decode=decode, prefill=prefill)
+            span.attempt(decode=decode, prefill=prefill if local is None else f"local ({decode})")
             stream.call = decode_grpc.DecodeStub(self._channels[decode]).Generate(request, metadata=span.metadata())
             outcome = _Outcome()
-            async with aclosing(self._relay(request_id, stream, decode, routed, outcome)) as events:
+            hold = _PrefillHold(routed, decode, local)
+            async with aclosing(self._relay(request_id, stream, decode, hold, outcome)) as events:
                 async for event in events:
                     yield sent.seen(event)
             stream.call = None
@@ -294,20 +309,20 @@ class DisaggregatedBackend(GenerationBackend):
                 raise _refused(refusals)
 
     async def _relay(
-        self, request_id: str, stream: _Stream, decode: str, routed: RoutedPrefill, outcome: _Outcome,
+        self, request_id: str, stream: _Stream, decode: str, hold: _PrefillHold, outcome: _Outcome,
     ) -> AsyncIterator[TokenEvent]:
         """Events of one attempt, ending with a final event; or, with ``outcome`` saying why,
         nothing more: the call failed retryably before its first event (``refusal``), or the
         stream broke after it (``lost``: the worker died, or an error event came after tokens)."""
-        prefill = routed.address
+        prefill = hold.routed.address
         self.decode_pool.acquire(decode)
-        self.prefix_router.acquire(routed)  # prefill is busy until decode's first event
+        self._hold_prefill(hold)  # its prefill is busy until decode's first event
         holds_prefill, got_event = True, False
         try:
             while True:
                 msg = await stream.call.read()
                 if holds_prefill:
-                    self.prefix_router.release(routed, msg if msg is not grpc.aio.EOF else None)
+                    self._release_prefill(hold, msg if msg is not grpc.aio.EOF else None)
                     holds_prefill = False
                 if msg is grpc.aio.EOF:
                     outcome.lost = f"decode worker {decode} ended the stream early"
@@ -347,7 +362,21 @@ class DisaggregatedBackend(GenerationBackend):
         finally:
             self.decode_pool.release(decode)
             if holds_prefill:
-                self.prefix_router.release(routed, None)
+                self._release_prefill(hold, None)
+
+    def _hold_prefill(self, hold: _PrefillHold) -> None:
+        if hold.local is None:
+            self.prefix_router.acquire(hold.routed)
+            return
+        self.local_prefill.acquire(hold.decode, hold.routed.num_prompt_tokens)
+        self.prefix_router.metrics.local_prefills.labels(reason=hold.local).inc()
+
+    def _release_prefill(self, hold: _PrefillHold, first_event: object | None) -> None:
+        if hold.local is None:
+            self.prefix_router.release(hold.routed, first_event)
+            return
+        self.local_prefill.release(hold.decode, hold.routed.num_prompt_tokens)
+        self.prefix_router.served_locally(hold.routed, first_event)
 
     # --- health -----------------------------------------------------------------------------------
 

@@ -37,6 +37,8 @@ from glmserve.services.router.admission import AdmissionConfig
 from glmserve.services.router.app import DEFAULT_MAX_BODY_BYTES, create_app
 from glmserve.services.router.chat_output import REASONING_PARSERS
 from glmserve.services.router.grpc_backend import DisaggregatedBackend
+from glmserve.services.router.local_prefill import MODES as LOCAL_PREFILL_MODES
+from glmserve.services.router.local_prefill import LocalPrefillConfig
 from glmserve.services.router.prefill_routing import POLICIES, RoutingConfig
 from glmserve.services.router.responses_store import KVStoreResponseStore
 from glmserve.services.router.worker_pool import check_address
@@ -63,6 +65,7 @@ class RouterConfig:
     poll_interval_s: float = 0.5
     graceful_shutdown_s: float = 5.0  # after the drain: closing idle connections
     routing: RoutingConfig = field(default_factory=RoutingConfig)
+    local_prefill: LocalPrefillConfig = field(default_factory=LocalPrefillConfig)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     drain_timeout_s: float = 30.0  # on SIGTERM, how long running requests may finish
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies get 413
@@ -116,6 +119,12 @@ class RouterConfig:
                        help="a hit below this fraction of the prompt does not justify a busier worker")
         p.add_argument("--routing", choices=POLICIES, default=r.policy,
                        help="prefill choice: by cached prefix and load, by load alone, or in turn")
+        lp = LocalPrefillConfig()
+        p.add_argument("--local-prefill", choices=LOCAL_PREFILL_MODES, default=lp.mode,
+                       help="auto: a decode worker prefills a prompt itself when it would finish it before the "
+                            "prefill worker could start it (a backlog there); off: never; always: every prompt")
+        p.add_argument("--local-prefill-short-tokens", type=int, default=lp.short_tokens,
+                       help="with auto, prompts of at most this many tokens are prefilled locally (0: none)")
         q = AdmissionConfig()
         p.add_argument("--max-running", type=int, default=q.max_running, help="requests running at once")
         p.add_argument("--max-queued", type=int, default=q.max_queued, help="requests waiting (then 429)")
@@ -141,6 +150,7 @@ class RouterConfig:
                                     max_queued_per_tenant=a.max_queued_per_tenant, max_wait_s=a.max_queue_wait_s)
         return cls(a.model, tuple(a.decode), tuple(a.prefill), a.host, a.port, a.kvstore,
                    tuple(a.api_keys), a.served_model_name, a.poll_interval_s, routing=routing,
+                   local_prefill=LocalPrefillConfig(a.local_prefill, a.local_prefill_short_tokens),
                    admission=admission, drain_timeout_s=a.drain_timeout_s, max_body_bytes=a.max_body_bytes,
                    reasoning_parser=a.reasoning_parser, migration_limit=a.migration_limit)
 
@@ -197,6 +207,7 @@ async def serve(config: RouterConfig) -> bool:
     tokenizer = await asyncio.to_thread(Tokenizer.from_dir, config.model)
     backend = DisaggregatedBackend(config.decode, config.prefill, config.kvstore,
                                    poll_interval_s=config.poll_interval_s, routing=config.routing,
+                                   local_prefill=config.local_prefill,
                                    migration_limit=config.migration_limit,
                                    tracing=Tracing.from_env("router"))
     app = create_app(backend, tokenizer, model_name=config.served_model_name or config.model.name,

@@ -112,12 +112,17 @@ class PrefixRouter:
         decision = self.policy.choose(candidates, len(prompt_ids), block_size or 1, hints.session_id,
                                       index_known=source == "kvstore")
         assert decision is not None  # candidates is not empty
-        self.metrics.decisions.labels(reason=decision.reason).inc()
         chosen = next(v for v in views if v.address == decision.address)
         return RoutedPrefill(decision.address, decision, chosen.worker_id, len(prompt_ids),
                              hashes.get((chosen.cache_root, chosen.block_size), []))
 
+    def queued_tokens(self, address: str) -> int:
+        """Prompt tokens this router sent to ``address`` that are still being prefilled."""
+        return self._queued_tokens.get(address, 0)
+
     def acquire(self, routed: RoutedPrefill) -> None:
+        """The request goes to the routed prefill worker (counted as a decision by its reason)."""
+        self.metrics.decisions.labels(reason=routed.decision.reason).inc()
         self.pool.acquire(routed.address)
         q = self._queued_tokens
         q[routed.address] = q.get(routed.address, 0) + routed.decision.compute_tokens
@@ -133,6 +138,13 @@ class PrefixRouter:
             self.local_view.stored(routed.worker_id, routed.hashes)
         cached = int(getattr(first_event, "num_cached_tokens", 0))
         self.metrics.served(routed.num_prompt_tokens, cached, routed.decision.host_hit_tokens)
+
+    def served_locally(self, routed: RoutedPrefill, first_event: object | None) -> None:
+        """The decode worker prefilled the prompt itself (`LocalPrefill`); its own prefix cache
+        served ``num_cached_tokens`` of it (no prefill worker holds the prompt now)."""
+        if first_event is None or getattr(first_event, "finish_reason", "") == "error":
+            return
+        self.metrics.served(routed.num_prompt_tokens, int(getattr(first_event, "num_cached_tokens", 0)), 0)
 
     # -- parts ------------------------------------------------------------------------------------
 

@@ -10,6 +10,8 @@ serves them on ``/metrics`` next to its own).
   lookups, by where they were answered (the kvstore index, or the router's local view).
 - ``glmserve_router_routing_decisions_total{reason}``: prefill choices by reason (see
   ``prefill_routing.REASONS``).
+- ``glmserve_router_local_prefills_total{reason}``: requests whose decode worker prefilled the
+  prompt itself instead of a prefill worker (see ``local_prefill.REASONS``).
 - ``glmserve_router_kv_index_up``: 1 while lookups go to the kvstore index, 0 while the router
   routes from its local view (kvstore or its Redis unreachable, or none configured).
 - ``glmserve_router_stream_migrations_total{outcome="resumed|ended"}``: streams that lost their
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from glmserve.services.router.local_prefill import REASONS as LOCAL_PREFILL_REASONS
 from glmserve.services.router.prefill_routing import REASONS
 
 
@@ -36,6 +39,8 @@ class RoutingMetrics:
                                ["source", "result"], registry=r)
         self.decisions = Counter("glmserve_router_routing_decisions",
                                  "Prefill routing decisions, by reason.", ["reason"], registry=r)
+        self.local_prefills = Counter("glmserve_router_local_prefills",
+                                      "Requests prefilled by their decode worker, by reason.", ["reason"], registry=r)
         self.index_up = Gauge("glmserve_router_kv_index_up",
                               "1: lookups use the kvstore index; 0: the router's local view.", registry=r)
         self.migrations = Counter("glmserve_router_stream_migrations",
@@ -47,6 +52,8 @@ class RoutingMetrics:
             self.hit_tokens.labels(tier=tier)
         for reason in REASONS:
             self.decisions.labels(reason=reason)
+        for reason in LOCAL_PREFILL_REASONS:
+            self.local_prefills.labels(reason=reason)
         self._hits = self._prompts = 0
 
     def served(self, num_prompt_tokens: int, num_cached: int, expected_host: int) -> None:

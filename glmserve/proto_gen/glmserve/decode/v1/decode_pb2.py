@@ -26,7 +26,7 @@ _sym_db = _symbol_database.Default()
 from glmserve.proto_gen.glmserve.common.v1 import generation_pb2 as glmserve_dot_common_dot_v1_dot_generation__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fglmserve/decode/v1/decode.proto\x12\x12glmserve.decode.v1\x1a#glmserve/common/v1/generation.proto\"\xb3\x01\n\x0fGenerateRequest\x12\x30\n\x08transfer\x18\x01 \x01(\x0b\x32\x1e.glmserve.common.v1.TransferId\x12\x12\n\nprompt_ids\x18\x02 \x03(\r\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.glmserve.common.v1.Sampling\x12\x16\n\x0eprefill_target\x18\x04 \x01(\t\x12\x12\n\ncache_salt\x18\x05 \x01(\t\"\xff\x01\n\rGenerateEvent\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12\x19\n\x11num_cached_tokens\x18\x06 \x01(\r\x12\x0c\n\x04text\x18\x07 \x01(\t\x12\x35\n\x0ctop_logprobs\x18\x08 \x03(\x0b\x32\x1f.glmserve.common.v1.TopLogprobs\x12\x17\n\rstop_token_id\x18\t \x01(\rH\x00\x12\x15\n\x0bstop_string\x18\n \x01(\tH\x00\x42\r\n\x0bstop_reasonJ\x04\x08\x03\x10\x04\"P\n\x0c\x41\x62ortRequest\x12\x30\n\x08transfer\x18\x01 \x01(\x0b\x32\x1e.glmserve.common.v1.TransferId\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x1b\n\nAbortReply\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0f\n\rHealthRequest\"f\n\x0bHealthReply\x12\r\n\x05ready\x18\x01 \x01(\x08\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x0f\n\x07running\x18\x03 \x01(\r\x12\x0f\n\x07waiting\x18\x04 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x05 \x01(\r2\xf7\x01\n\x06\x44\x65\x63ode\x12T\n\x08Generate\x12#.glmserve.decode.v1.GenerateRequest\x1a!.glmserve.decode.v1.GenerateEvent0\x01\x12I\n\x05\x41\x62ort\x12 .glmserve.decode.v1.AbortRequest\x1a\x1e.glmserve.decode.v1.AbortReply\x12L\n\x06Health\x12!.glmserve.decode.v1.HealthRequest\x1a\x1f.glmserve.decode.v1.HealthReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fglmserve/decode/v1/decode.proto\x12\x12glmserve.decode.v1\x1a#glmserve/common/v1/generation.proto\"\xcc\x01\n\x0fGenerateRequest\x12\x30\n\x08transfer\x18\x01 \x01(\x0b\x32\x1e.glmserve.common.v1.TransferId\x12\x12\n\nprompt_ids\x18\x02 \x03(\r\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.glmserve.common.v1.Sampling\x12\x16\n\x0eprefill_target\x18\x04 \x01(\t\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12\x17\n\x0fprefill_locally\x18\x06 \x01(\x08\"\xff\x01\n\rGenerateEvent\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12\x19\n\x11num_cached_tokens\x18\x06 \x01(\r\x12\x0c\n\x04text\x18\x07 \x01(\t\x12\x35\n\x0ctop_logprobs\x18\x08 \x03(\x0b\x32\x1f.glmserve.common.v1.TopLogprobs\x12\x17\n\rstop_token_id\x18\t \x01(\rH\x00\x12\x15\n\x0bstop_string\x18\n \x01(\tH\x00\x42\r\n\x0bstop_reasonJ\x04\x08\x03\x10\x04\"P\n\x0c\x41\x62ortRequest\x12\x30\n\x08transfer\x18\x01 \x01(\x0b\x32\x1e.glmserve.common.v1.TransferId\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x1b\n\nAbortReply\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0f\n\rHealthRequest\"f\n\x0bHealthReply\x12\r\n\x05ready\x18\x01 \x01(\x08\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x0f\n\x07running\x18\x03 \x01(\r\x12\x0f\n\x07waiting\x18\x04 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x05 \x01(\r2\xf7\x01\n\x06\x44\x65\x63ode\x12T\n\x08Generate\x12#.glmserve.decode.v1.GenerateRequest\x1a!.glmserve.decode.v1.GenerateEvent0\x01\x12I\n\x05\x41\x62ort\x12 .glmserve.decode.v1.AbortRequest\x1a\x1e.glmserve.decode.v1.AbortReply\x12L\n\x06Health\x12!.glmserve.decode.v1.HealthRequest\x1a\x1f.glmserve.decode.v1.HealthReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,17 +34,17 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'glmserve.decode.v1.decode_p
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GENERATEREQUEST']._serialized_start=93
-  _globals['_GENERATEREQUEST']._serialized_end=272
-  _globals['_GENERATEEVENT']._serialized_start=275
-  _globals['_GENERATEEVENT']._serialized_end=530
-  _globals['_ABORTREQUEST']._serialized_start=532
-  _globals['_ABORTREQUEST']._serialized_end=612
-  _globals['_ABORTREPLY']._serialized_start=614
-  _globals['_ABORTREPLY']._serialized_end=641
-  _globals['_HEALTHREQUEST']._serialized_start=643
-  _globals['_HEALTHREQUEST']._serialized_end=658
-  _globals['_HEALTHREPLY']._serialized_start=660
-  _globals['_HEALTHREPLY']._serialized_end=762
-  _globals['_DECODE']._serialized_start=765
-  _globals['_DECODE']._serialized_end=1012
+  _globals['_GENERATEREQUEST']._serialized_end=297
+  _globals['_GENERATEEVENT']._serialized_start=300
+  _globals['_GENERATEEVENT']._serialized_end=555
+  _globals['_ABORTREQUEST']._serialized_start=557
+  _globals['_ABORTREQUEST']._serialized_end=637
+  _globals['_ABORTREPLY']._serialized_start=639
+  _globals['_ABORTREPLY']._serialized_end=666
+  _globals['_HEALTHREQUEST']._serialized_start=668
+  _globals['_HEALTHREQUEST']._serialized_end=683
+  _globals['_HEALTHREPLY']._serialized_start=685
+  _globals['_HEALTHREPLY']._serialized_end=787
+  _globals['_DECODE']._serialized_start=790
+  _globals['_DECODE']._serialized_end=1037
 # @@protoc_insertion_point(module_scope)

@@ -9,18 +9,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("transfer", "prompt_ids", "sampling", "prefill_target", "cache_salt")
+    __slots__ = ("transfer", "prompt_ids", "sampling", "prefill_target", "cache_salt", "prefill_locally")
     TRANSFER_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TARGET_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_LOCALLY_FIELD_NUMBER: _ClassVar[int]
     transfer: _generation_pb2.TransferId
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _generation_pb2.Sampling
     prefill_target: str
     cache_salt: str
-    def __init__(self, transfer: _Optional[_Union[_generation_pb2.TransferId, _Mapping]] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.Sampling, _Mapping]] = ..., prefill_target: _Optional[str] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    prefill_locally: bool
+    def __init__(self, transfer: _Optional[_Union[_generation_pb2.TransferId, _Mapping]] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.Sampling, _Mapping]] = ..., prefill_target: _Optional[str] = ..., cache_salt: _Optional[str] = ..., prefill_locally: _Optional[bool] = ...) -> None: ...
 
 class GenerateEvent(_message.Message):
     __slots__ = ("token_ids", "logprobs", "finish_reason", "error", "num_cached_tokens", "text", "top_logprobs", "stop_token_id", "stop_string")
