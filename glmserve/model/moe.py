@@ -9,9 +9,11 @@ from torch import nn
 from glmserve.model.config import GlmConfig
 from glmserve.model.mlp import GatedMLP, silu_mul
 
-# Rows per expert up to which all experts run as one padded batched matmul (when every expert has
-# rows); beyond, or with idle experts, each expert runs alone (padding would cost more than the ops).
+# Rows per expert up to which all experts run as one padded batched matmul, while the padded batch
+# (every expert padded to the busiest one's rows, idle ones included) stays within PAD_LIMIT times
+# max(rows, experts); beyond, each expert runs alone (the padding would cost more than the ops).
 BATCHED_MAX_ROWS = 64
+PAD_LIMIT = 4
 
 
 class TopkRouter(nn.Module):
@@ -68,8 +70,9 @@ class RoutedExperts(nn.Module):
         # Token rows are gathered, weighted and scattered back once for all experts.
         xs = x.index_select(0, token_of)
         sizes = counts.tolist()
-        if min(sizes) > 0 and max(sizes) <= BATCHED_MAX_ROWS:
-            ys = self._batched(xs, counts, max(sizes), flat_experts[order])
+        e, width = len(sizes), max(sizes)
+        if width <= BATCHED_MAX_ROWS and e * width <= PAD_LIMIT * max(xs.shape[0], e):
+            ys = self._batched(xs, counts, width, flat_experts[order])
         else:
             ys = self._per_expert(xs, sizes)
         y = (ys * weights.reshape(-1)[order].unsqueeze(1)).to(x.dtype)  # weights are fp32
@@ -87,8 +90,8 @@ class RoutedExperts(nn.Module):
         return torch.cat(ys)
 
     def _batched(self, xs: torch.Tensor, counts: torch.Tensor, width: int, sorted_experts: torch.Tensor):
-        """The same with every expert in one batched matmul, each padded to `width` rows: on decode
-        batches (every expert busy, few rows each) ~10 ops instead of ~6 per expert."""
+        """The same with every expert in one batched matmul, each padded to `width` rows (idle ones
+        are all padding): on decode batches (few rows per expert) ~10 ops instead of ~6 per expert."""
         e, h = self.gate_up_proj.shape[0], xs.shape[1]
         firsts = counts.cumsum(0) - counts
         slot = sorted_experts * width + torch.arange(xs.shape[0]) - firsts[sorted_experts]
