@@ -278,7 +278,7 @@ class DisaggregatedBackend(GenerationBackend):
             stream.call = decode_grpc.DecodeStub(self._channels[decode]).Generate(request, metadata=span.metadata())
             outcome = _Outcome()
             hold = _PrefillHold(routed, decode, local)
-            async with aclosing(self._relay(request_id, stream, decode, hold, outcome)) as events:
+            async with aclosing(self._relay(request_id, stream, hold, outcome)) as events:
                 async for event in events:
                     yield sent.seen(event)
             stream.call = None
@@ -309,12 +309,12 @@ class DisaggregatedBackend(GenerationBackend):
                 raise _refused(refusals)
 
     async def _relay(
-        self, request_id: str, stream: _Stream, decode: str, hold: _PrefillHold, outcome: _Outcome,
+        self, request_id: str, stream: _Stream, hold: _PrefillHold, outcome: _Outcome,
     ) -> AsyncIterator[TokenEvent]:
         """Events of one attempt, ending with a final event; or, with ``outcome`` saying why,
         nothing more: the call failed retryably before its first event (``refusal``), or the
         stream broke after it (``lost``: the worker died, or an error event came after tokens)."""
-        prefill = hold.routed.address
+        decode = hold.decode
         self.decode_pool.acquire(decode)
         self._hold_prefill(hold)  # its prefill is busy until decode's first event
         holds_prefill, got_event = True, False
@@ -329,7 +329,7 @@ class DisaggregatedBackend(GenerationBackend):
                     return
                 event = event_from_proto(request_id, msg)
                 if event.finish_reason == "error":
-                    self._recheck(self.prefill_pool, prefill)
+                    self._recheck_prefill(hold)
                     if got_event:  # after tokens: the stream may go on elsewhere
                         outcome.lost = f"decode worker {decode}: {event.error}"
                         return
@@ -344,7 +344,7 @@ class DisaggregatedBackend(GenerationBackend):
             if e.code() == grpc.StatusCode.UNAVAILABLE:  # the worker is gone or unreachable
                 self._suspect(self.decode_pool, decode, f"{e.code().name}: {e.details()}")
             elif e.code() == grpc.StatusCode.ABORTED:  # its prefill worker failed: ask that one now
-                self._recheck(self.prefill_pool, prefill)
+                self._recheck_prefill(hold)
             if not got_event and e.code() in _RETRYABLE:
                 outcome.refusal = e
             elif got_event:
@@ -370,6 +370,11 @@ class DisaggregatedBackend(GenerationBackend):
             return
         self.local_prefill.acquire(hold.decode, hold.routed.num_prompt_tokens)
         self.prefix_router.metrics.local_prefills.labels(reason=hold.local).inc()
+
+    def _recheck_prefill(self, hold: _PrefillHold) -> None:
+        """Ask the attempt's prefill worker's health now; a local prefill used none."""
+        if hold.local is None:
+            self._recheck(self.prefill_pool, hold.routed.address)
 
     def _release_prefill(self, hold: _PrefillHold, first_event: object | None) -> None:
         if hold.local is None:
