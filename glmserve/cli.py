@@ -31,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--mtp", default="auto", help="number of MTP drafts, 'auto' or 'off'")
     gen.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
-                     help="auto: bfloat16 where the CPU has AMX, else float32")
+                     help="auto: bfloat16 where the CPU has AMX or AVX512-BF16, else float32")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     serve = sub.add_parser("serve-local", help="OpenAI-compatible server over one in-process engine")
     _model_arg(serve)

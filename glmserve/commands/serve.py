@@ -59,6 +59,7 @@ class ServeConfig:
     local_prefill: str = "auto"  # the router's --local-prefill (checked by the router)
     reasoning_parser: str = "glm45"  # the router's --reasoning-parser (checked by the router)
     migration_limit: int = 3  # the router's --migration-limit (0: streams never resume elsewhere)
+    dtype: str = "auto"  # every worker's --dtype (checked by the workers)
 
     def __post_init__(self) -> None:
         if not (self.model / "config.json").is_file():
@@ -117,7 +118,8 @@ class ServeConfig:
                    routing=getattr(args, "routing", cls.routing),
                    local_prefill=getattr(args, "local_prefill", cls.local_prefill),
                    reasoning_parser=getattr(args, "reasoning_parser", cls.reasoning_parser),
-                   migration_limit=getattr(args, "migration_limit", cls.migration_limit))
+                   migration_limit=getattr(args, "migration_limit", cls.migration_limit),
+                   dtype=getattr(args, "dtype", cls.dtype))
 
     @property
     def num_metrics_ports(self) -> int:
@@ -155,6 +157,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="glm45: chat answers carry <think> blocks as reasoning_content; none: in the content")
     p.add_argument("--migration-limit", type=int, default=ServeConfig.migration_limit,
                    help="how often a stream whose decode worker died may resume on another one (0: never)")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default=ServeConfig.dtype,
+                   help="every worker's weights and KV: auto (bfloat16 where the CPU has bf16 instructions, "
+                        "else float32)")
     p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for every service")
     p.add_argument("--drain-timeout", type=float, default=ServeConfig.drain_timeout_s,
                    help="on stop, seconds each service lets running requests finish")
@@ -234,7 +239,7 @@ def plan(cfg: ServeConfig) -> list[ChildSpec]:
         addresses[kind].append(address)
         argv = (py, "-m", _WORKER_MODULES[kind], "--model", str(cfg.model), "--host", cfg.host,
                 "--worker-id", f"{kind}-{i}", "--transfer", cfg.transfer, "--kvstore", kv,
-                "--drain-timeout-s", str(cfg.drain_timeout_s), *labels)
+                "--drain-timeout-s", str(cfg.drain_timeout_s), "--dtype", cfg.dtype, *labels)
         if kind == "prefill" and layers is not None:
             stages = [address, *(f"{cfg.host}:{next(free)}" for _ in layers.stages[1:])]
             ports = [metrics_port, *(next(stage_metrics) for _ in layers.stages[1:])]

@@ -102,7 +102,7 @@ class Engine:
     def from_model_dir(cls, model_dir: str | Path, dtype: torch.dtype | str = "auto",
                        revision: str | None = None, **config) -> Engine:
         """``revision``: an explicit model revision (else the digest of the checkpoint files);
-        ``dtype`` "auto": bfloat16 where the CPU has AMX, else float32 (`resolve_dtype`)."""
+        ``dtype`` "auto": bfloat16 where the CPU has AMX or AVX512-BF16, else float32 (`resolve_dtype`)."""
         model = load_model(model_dir, dtype=resolve_dtype(dtype))
         tokenizer = Tokenizer.from_dir(model_dir)
         return cls(model, EngineConfig(**config), revision=model_revision(model_dir, revision),

@@ -45,6 +45,7 @@ from glmserve.kv.block_pool import BlockListener, BlockPool, OutOfBlocks
 from glmserve.model.forward_batch import ForwardBatch
 from glmserve.model.glm_model import GlmForCausalLM
 from glmserve.model.kv_layout import KVLayout
+from glmserve.model.dtype_choice import resolve_dtype
 from glmserve.model.loader import load_model
 from glmserve.model.paged_cache import PagedKVCache
 from glmserve.model.revision import model_revision
@@ -129,11 +130,11 @@ class StageEngine:
         self.stats = EngineStats()
 
     @classmethod
-    def from_model_dir(cls, model_dir: str | Path, layers: range, dtype: torch.dtype = torch.float32,
+    def from_model_dir(cls, model_dir: str | Path, layers: range, dtype: torch.dtype | str = "auto",
                        revision: str | None = None, **config) -> StageEngine:
-        """A stage holding ``layers`` of the checkpoint (only those weights are read), keyed like a
-        whole-model `Engine` of the same directory (`Engine.from_model_dir`)."""
-        model = load_model(model_dir, layers=layers, dtype=dtype)
+        """A stage holding ``layers`` of the checkpoint (only those weights are read), keyed and
+        typed like a whole-model `Engine` of the same directory (`Engine.from_model_dir`)."""
+        model = load_model(model_dir, layers=layers, dtype=resolve_dtype(dtype))
         tokenizer = Tokenizer.from_dir(model_dir) if model.is_last else None
         return cls(model, EngineConfig(**config), revision=model_revision(model_dir, revision),
                    tokenizer_digest=tokenizer_digest(model_dir), tokenizer=tokenizer)

@@ -45,6 +45,7 @@ DEFAULT_TRANSFER_TIMEOUT_S = AGREED.write_s  # a write is final within this + th
 GRACE_S = 2.0  # how long in-flight RPCs may finish on shutdown
 DEFAULT_STAGING_BLOCKS = 8
 DEFAULT_DRAIN_TIMEOUT_S = 30.0  # on SIGTERM, how long running requests may finish
+DTYPE_CHOICES = ("auto", "float32", "bfloat16")
 
 
 class Worker(Protocol):
@@ -70,6 +71,8 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", default=None,
                    help="the model_name label of this worker's metrics (default: the model directory's name)")
     p.add_argument("--kv-cache-bytes", type=int, default=None, help="KV cache size (engine default if absent)")
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
+                   help="weights and KV cache: auto (bfloat16 where the CPU has bf16 instructions, else float32)")
     p.add_argument("--kvstore", default=None,
                    help="host:port of the kvstore: publish this worker's cached blocks to its index and "
                    "use its host KV tier (load-back, write-through, demotion)")
@@ -96,6 +99,7 @@ class WorkerConfig:
     transfer: str = "auto"
     metrics_port: int | None = None
     kv_cache_bytes: int | None = None
+    dtype: str = "auto"  # the model's and the KV cache's (`resolve_dtype`); prefill and decode must agree
     kvstore: str | None = None  # host:port: publish block events to its index, use its host tier
     revision: str | None = None  # explicit model revision for the prefix-cache key
     host_tier_write_through: str = "on"  # the CPU KV tier's; `host` is the address we bind
@@ -116,6 +120,8 @@ class WorkerConfig:
             raise ValueError(f"host_tier_staging_blocks: must be >= 0, got {self.host_tier_staging_blocks}")
         if self.drain_timeout_s < 0:
             raise ValueError(f"drain_timeout_s: must be >= 0, got {self.drain_timeout_s}")
+        if self.dtype not in DTYPE_CHOICES:
+            raise ValueError(f"dtype: must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
             raise ValueError(f"kv_cache_bytes: must be > 0, got {self.kv_cache_bytes}")
 
@@ -123,9 +129,9 @@ class WorkerConfig:
     def model_name(self) -> str:
         return self.served_model_name or Path(self.model).name
 
-    def engine_config(self) -> dict[str, int | bool]:
-        """Engine config fields from the worker flags."""
-        options: dict[str, int | bool] = {}
+    def engine_config(self) -> dict[str, int | bool | str]:
+        """Engine config fields (and the dtype) from the worker flags."""
+        options: dict[str, int | bool | str] = {"dtype": self.dtype}
         if self.kv_cache_bytes is not None:
             options["kv_cache_bytes"] = self.kv_cache_bytes
         if self.check_integrity:

@@ -70,10 +70,19 @@ def test_bf16_logits_and_greedy_tokens_follow_transformers_bf16():
         assert same[clear].float().mean().item() >= CLEAR_AGREEMENT
 
 
-def test_auto_dtype_is_bf16_only_with_amx():
+def test_auto_dtype_is_bf16_only_with_bf16_instructions():
     assert auto_dtype(frozenset({"avx2", "fma"})) == torch.float32
-    assert auto_dtype(frozenset({"avx512f", "avx512_bf16"})) == torch.float32
+    assert auto_dtype(frozenset({"avx512f", "avx512bw", "avx512_vnni"})) == torch.float32
+    assert auto_dtype(frozenset({"avx512f", "avx512_bf16"})) == torch.bfloat16
     assert auto_dtype(frozenset({"avx512_bf16", "amx_bf16", "amx_tile"})) == torch.bfloat16
     assert resolve_dtype("float32") == torch.float32 and resolve_dtype(torch.bfloat16) == torch.bfloat16
     with pytest.raises(ValueError, match="dtype"):
         resolve_dtype("float16")
+
+
+def test_the_environment_pins_what_auto_means(monkeypatch):
+    monkeypatch.setenv("GLMSERVE_DTYPE", "bfloat16")
+    assert resolve_dtype("auto") == torch.bfloat16 and resolve_dtype("float32") == torch.float32
+    monkeypatch.setenv("GLMSERVE_DTYPE", "float16")
+    with pytest.raises(ValueError, match="GLMSERVE_DTYPE"):
+        resolve_dtype("auto")
