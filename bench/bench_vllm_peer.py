@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> None:
                                                          *(sys.argv[1:] if argv is None else argv)]))
     print(f"- run: load average {load_start} at start, {load_average()} at end")
     print(f"- vLLM-CPU {args.peer_dtype} (transformers implementation, eager); glmserve serve defaults "
-          f"(dtype auto: {resolve_dtype("auto")} on this CPU), one prefill and one decode worker")
+          f"(dtype auto: {resolve_dtype('auto')} on this CPU), one prefill and one decode worker")
     print(f"- `vllm bench serve`: {args.num_prompts} random prompts per run, {args.output_len} output tokens, "
           f"{args.concurrency} concurrent, greedy, ignore_eos, fresh prompts each round; {args.rounds} rounds, "
           "systems in rotating order; medians, ratios vs vLLM-CPU within a round (median)\n")
