@@ -17,6 +17,7 @@ import argparse
 import json
 import sys
 import tempfile
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -64,7 +65,8 @@ def kernel_rows(shapes: list[tuple[int, int]], config: dict, rounds: int) -> lis
     for s, t in shapes:
         q, k, v = torch.randn(s, heads, qk_dim), torch.randn(t, heads, qk_dim), torch.randn(t, heads, v_dim)
         positions = torch.arange(t - s, t)
-        fns = {name: with_tile(tile, lambda: prefill_attention.dense_attention(q, k, v, positions, qk_dim**-0.5))
+        attend = partial(prefill_attention.dense_attention, q, k, v, positions, qk_dim**-0.5)
+        fns = {name: with_tile(tile, attend)
                for name, tile in (("tiles", prefill_attention.DENSE_QUERY_TILE), ("one call", ONE_CALL))}
         tiled, whole = fns["tiles"](), fns["one call"]()
         err = (tiled - whole).abs().max().item()

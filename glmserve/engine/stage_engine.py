@@ -42,10 +42,10 @@ from glmserve.engine.model_runner import ModelRunner
 from glmserve.engine.request import Request
 from glmserve.engine.sampler import Sampler
 from glmserve.kv.block_pool import BlockListener, BlockPool, OutOfBlocks
+from glmserve.model.dtype_choice import resolve_dtype
 from glmserve.model.forward_batch import ForwardBatch
 from glmserve.model.glm_model import GlmForCausalLM
 from glmserve.model.kv_layout import KVLayout
-from glmserve.model.dtype_choice import resolve_dtype
 from glmserve.model.loader import load_model
 from glmserve.model.paged_cache import PagedKVCache
 from glmserve.model.revision import model_revision
