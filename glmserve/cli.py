@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from glmserve.commands.bench import add_bench_parser
+from glmserve.core.dtype_names import DTYPE_CHOICES
 
 DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "models" / "glm52-tiny"
 
@@ -30,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=-1)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--mtp", default="auto", help="number of MTP drafts, 'auto' or 'off'")
-    gen.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+    gen.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
                      help="auto: bfloat16 where the CPU has AMX or AVX512-BF16, else float32")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     serve = sub.add_parser("serve-local", help="OpenAI-compatible server over one in-process engine")

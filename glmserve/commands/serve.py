@@ -33,6 +33,7 @@ from pathlib import Path
 
 from glmserve.commands.child import ChildSpec
 from glmserve.commands.supervisor import GaveUp, RestartPolicy, Supervisor
+from glmserve.core.dtype_names import DTYPE_CHOICES
 
 _WORKER_MODULES = {"prefill": "glmserve.services.prefill.main", "decode": "glmserve.services.decode.main"}
 STOP_RANKS = {"router": 0, "prefill": 1, "decode": 1, "kvstore": 2}  # stopped in this order
@@ -157,7 +158,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="glm45: chat answers carry <think> blocks as reasoning_content; none: in the content")
     p.add_argument("--migration-limit", type=int, default=ServeConfig.migration_limit,
                    help="how often a stream whose decode worker died may resume on another one (0: never)")
-    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default=ServeConfig.dtype,
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, default=ServeConfig.dtype,
                    help="every worker's weights and KV: auto (bfloat16 where the CPU has bf16 instructions, "
                         "else float32)")
     p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for every service")

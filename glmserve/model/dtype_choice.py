@@ -5,10 +5,10 @@ every bf16 GEMM converts to fp32 inside, and glmserve's fp32 islands (norms, sof
 the router) add conversions around it: slower than float32 there. AMX tiles and AVX512-BF16
 (`vdpbf16ps`) do bf16 GEMMs at twice fp32's rate or more; with AVX512-BF16 the engine measured
 a 2,048-token prefill 1.6x and a batch-32 decode step 1.2x faster in bf16 than in float32
-(`bench/bench_dtype.py`; docs/benchmarks.md, "An AVX512 machine with AVX512-BF16"). `auto` follows that, unless the environment sets
-`GLMSERVE_DTYPE` (float32 or bfloat16: the dtype `auto` means in this process and the processes it
-starts; the test suite pins float32, the dtype of its oracles, on every CPU). An explicit dtype
-always wins.
+(`bench/bench_dtype.py`; docs/benchmarks.md, "An AVX512 machine with AVX512-BF16"). `auto`
+follows that, unless the environment sets `GLMSERVE_DTYPE` (float32 or bfloat16: the dtype `auto`
+means in this process and the processes it starts; the test suite pins float32, the dtype of its
+oracles, on every CPU). An explicit dtype always wins. The flags' names: `glmserve.core.dtype_names`.
 """
 
 from __future__ import annotations

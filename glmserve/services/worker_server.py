@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 import grpc
 from prometheus_client import CollectorRegistry
 
+from glmserve.core.dtype_names import DTYPE_CHOICES
 from glmserve.kv.transfer.timeouts import AGREED
 from glmserve.services.host_tier_link import HostTierSettings
 from glmserve.services.kv_events import KVEventPublisher, PublisherCollector
@@ -45,7 +46,6 @@ DEFAULT_TRANSFER_TIMEOUT_S = AGREED.write_s  # a write is final within this + th
 GRACE_S = 2.0  # how long in-flight RPCs may finish on shutdown
 DEFAULT_STAGING_BLOCKS = 8
 DEFAULT_DRAIN_TIMEOUT_S = 30.0  # on SIGTERM, how long running requests may finish
-DTYPE_CHOICES = ("auto", "float32", "bfloat16")
 
 
 class Worker(Protocol):
