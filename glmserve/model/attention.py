@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from glmserve.model.absorbed_projections import AbsorbedProjections
 from glmserve.model.config import GlmConfig
 from glmserve.model.decode_group import DecodeGroup
 from glmserve.model.forward_batch import SequenceSlice
@@ -54,6 +55,8 @@ class MLAttention(nn.Module):
         # The projections that read the layer input, run as one matmul at inference.
         indexer_proj = [self.indexer.wk, self.indexer.weights_proj] if has_indexer else []
         self.input_proj = FusedLinear([self.q_a_proj, self.kv_a_proj_with_mqa, *indexer_proj])
+        self.absorbed = AbsorbedProjections(self.q_b_proj, self.kv_b_proj, self.o_proj, self.heads, self.nope_dim,
+                                            self.rope_dim, self.v_dim, self.latent_dim, self.scaling)
 
     def forward(
         self, x: torch.Tensor, ctx: ForwardContext, topk_in: list[torch.Tensor] | None
@@ -74,32 +77,46 @@ class MLAttention(nn.Module):
                 x_ix = x.detach()
                 fused += [self.indexer.wk(x_ix), self.indexer.weights_proj(x_ix.to(self.indexer.weights_proj.weight.dtype))]
         q_resid = self.q_a_layernorm(fused[0])
-        q = self.q_b_proj(q_resid).view(n, self.heads, -1)
-        q_nope, q_rot = q.split([self.nope_dim, self.rope_dim], dim=-1)
-        q_rot = apply_rope(q_rot, ctx.cos, ctx.sin)
         new_kv, new_keys = self._store_kv(fused[1], fused[2] if self.indexer is not None else None, ctx)
         index = None
-        if self.indexer is not None and topk_in is None:
+        if self.indexer is not None and topk_in is None and self._needs_index(ctx):
             index = (*self.indexer.queries_from(q_resid.detach(), fused[3], ctx.cos, ctx.sin), new_keys)
 
-        out = x.new_empty(n, self.heads * self.v_dim)
         topks: list[torch.Tensor] = [None] * len(ctx.batch.seqs)  # type: ignore[list-item]
-        grouped = set()
+        grouped_out = []
         for g in self._decode_groups(ctx):
             rows = g.token_rows
             g_index = None if index is None else (index[0][rows], index[1][rows])
             g_topk_in = None if topk_in is None else [topk_in[i] for i in g.seq_ids]
-            out[rows], g_topks = self._attend_group(ctx, g, q_nope[rows], q_rot[rows], g_index, g_topk_in)
+            query = self.absorbed.query(q_resid[rows], ctx.cos[rows], ctx.sin[rows])
+            lat_out, g_topks = self._attend_group(ctx, g, query, g_index, g_topk_in)
+            grouped_out.append((rows, self.absorbed.output(lat_out)))
             for i, t in zip(g.seq_ids, g_topks, strict=True):
                 topks[i] = t
-            grouped.update(g.seq_ids)
-        for i, seq in enumerate(ctx.batch.seqs):
-            if i not in grouped:
-                sl = slice(seq.start, seq.end)
-                seq_index = None if index is None else (index[0][sl], index[1][sl], index[2])
-                seq_topk = None if topk_in is None else topk_in[i]
-                out[sl], topks[i] = self._attend_sequence(ctx, seq, q_nope[sl], q_rot[sl], new_kv, seq_index, seq_topk)
-        return self.o_proj(out), topks
+        ungrouped = [i for i, t in enumerate(topks) if t is None]
+        if ungrouped:
+            out = self.o_proj(self._attend_ungrouped(ctx, ungrouped, q_resid, new_kv, index, topk_in, topks))
+        else:
+            out = x.new_empty(n, self.o_proj.out_features)
+        for rows, g_out in grouped_out:
+            out[rows] = g_out
+        return out, topks
+
+    def _attend_ungrouped(self, ctx, seq_ids, q_resid, new_kv, index, topk_in, topks) -> torch.Tensor:
+        """Attention values [N, heads * v_dim] of the sequences outside decode groups (the others'
+        rows are zero); their top-k go into `topks`."""
+        n = q_resid.shape[0]
+        q = self.q_b_proj(q_resid).view(n, self.heads, -1)
+        q_nope, q_rot = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        q_rot = apply_rope(q_rot, ctx.cos, ctx.sin)
+        out = q_resid.new_zeros(n, self.heads * self.v_dim)
+        for i in seq_ids:
+            seq = ctx.batch.seqs[i]
+            sl = slice(seq.start, seq.end)
+            seq_index = None if index is None else (index[0][sl], index[1][sl], index[2])
+            seq_topk = None if topk_in is None else topk_in[i]
+            out[sl], topks[i] = self._attend_sequence(ctx, seq, q_nope[sl], q_rot[sl], new_kv, seq_index, seq_topk)
+        return out
 
     def write_kv(self, x: torch.Tensor, ctx: ForwardContext) -> None:
         """Only store the KV of the batch's tokens (latent + rotated rope key, and indexer keys when
@@ -120,6 +137,13 @@ class MLAttention(nn.Module):
             ctx.cache.write_at(ctx.cache.index_key_view(self.layer_idx), ctx.cache_rows(), new_keys)
         return new_kv, new_keys
 
+    def _needs_index(self, ctx: ForwardContext) -> bool:
+        """Whether the indexer's queries are needed: some context is longer than index_topk (shorter
+        ones select all of it), or a reference kernel or the indexer's training asks for its scores."""
+        if ctx.collect_indexer or ctx.dense_attention or ctx.force_absorbed is not None:
+            return True
+        return max(seq.context_len for seq in ctx.batch.seqs) > self.indexer.index_topk
+
     def _decode_groups(self, ctx: ForwardContext) -> list[DecodeGroup]:
         """Groups of short-query sequences for the batched absorbed kernel ([] when it does not apply)."""
         if ctx.cache is None or ctx.dense_attention or ctx.collect_indexer or ctx.force_absorbed is False:
@@ -133,6 +157,8 @@ class MLAttention(nn.Module):
         positions = ctx.batch.positions[seq.start : seq.end]
         if topk_in is not None:
             topk = topk_in
+        elif index is None:  # the whole context is within index_topk
+            topk = torch.arange(seq.context_len).expand(seq.num_new, seq.context_len)
         else:
             iq, iw, new_keys = index
             keys = self._context(ctx, seq, new_keys, self.layer_idx, "index")
@@ -177,8 +203,9 @@ class MLAttention(nn.Module):
             ctx.indexer_records.append((self.layer_idx, index_scores, probs))
         return out, topk
 
-    def _attend_group(self, ctx, g: DecodeGroup, q_nope, q_rot, index, topk_in):
-        """Absorbed sparse attention of a DecodeGroup: output [B * S, heads * v_dim] and per-sequence top-k.
+    def _attend_group(self, ctx, g: DecodeGroup, query, index, topk_in):
+        """Absorbed sparse attention of a DecodeGroup: latent output [B * S, heads, latent] (float32) and
+        per-sequence top-k, given the absorbed query [B * S, heads, latent + rope] (scaled).
 
         Only the selected latent rows are read from the paged cache (looked up through the block table),
         never a sequence's whole context.
@@ -198,21 +225,22 @@ class MLAttention(nn.Module):
         allowed = selected <= g.positions.unsqueeze(-1)
         if valid is not None:
             allowed &= valid
-        w = self.kv_b_proj.weight.view(self.heads, self.nope_dim + self.v_dim, self.latent_dim)
-        w_uk, w_uv = w[:, : self.nope_dim], w[:, self.nope_dim :]
-        q_lat = torch.einsum("nhd,hdc->nhc", q_nope, w_uk)
-        query = torch.cat([q_lat, q_rot], dim=-1).view(b, s, self.heads, -1)  # [B, S, H, latent + rope]
-        rows = rows.to(query.dtype)
-        scores = torch.matmul(query, rows.transpose(-1, -2)) * self.scaling  # [B, S, H, K]
-        probs = self._softmax(scores, allowed.unsqueeze(2), query.dtype)
-        lat_out = torch.matmul(probs, rows[..., : self.latent_dim]).view(b * s, self.heads, self.latent_dim)
-        return torch.einsum("nhc,hvc->nhv", lat_out, w_uv).reshape(b * s, -1), topks
+        # In float32 whatever the model's dtype: on CPU a bf16 matmul this small costs ~3x a float32 one
+        # (oneDNN's per-call overhead), more than converting the rows. The value product runs over the
+        # whole rows (rope columns included) because slicing them first would copy them.
+        query = query.view(b, s, self.heads, -1).float()  # [B, S, H, latent + rope]
+        rows = rows.float()
+        scores = torch.matmul(query, rows.transpose(-1, -2))  # [B, S, H, K]
+        probs = self._softmax(scores, allowed.unsqueeze(2), torch.float32)
+        lat_out = torch.matmul(probs, rows)[..., : self.latent_dim]
+        return lat_out.reshape(b * s, self.heads, self.latent_dim), topks
 
     def _group_select(self, ctx, g: DecodeGroup, index, block_size: int) -> torch.Tensor:
         """[B, S, K] top-k positions of a group's queries over its padded contexts."""
         padded = g.padded_len(block_size)
-        if padded <= self.indexer.index_topk:
-            return torch.arange(padded).expand(g.num_seqs, g.num_queries, padded)
+        if padded <= self.indexer.index_topk or index is None:  # every context within index_topk
+            width = min(padded, self.indexer.index_topk)
+            return torch.arange(width).expand(g.num_seqs, g.num_queries, width)
         iq, iw = index
         b, s = g.num_seqs, g.num_queries
         view = ctx.cache.index_key_view(self.layer_idx)

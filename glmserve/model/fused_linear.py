@@ -35,12 +35,18 @@ class FusedLinear:
         return torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights))
 
     def _fused(self, weights: list[torch.Tensor]) -> torch.Tensor:
-        key = tuple((w.data_ptr(), _version(w), w.dtype, w.device) for w in weights)
+        key = version_key(weights)
         if key != self._key:
             with torch.inference_mode(False), torch.no_grad():
                 self._weight = torch.cat(weights)
             self._key = key
         return self._weight
+
+
+def version_key(weights: list[torch.Tensor]) -> tuple:
+    """What a cache of tensors derived from `weights` must match: each one's storage, version, dtype
+    and device."""
+    return tuple((w.data_ptr(), _version(w), w.dtype, w.device) for w in weights)
 
 
 def _version(t: torch.Tensor) -> int:

@@ -10,6 +10,7 @@ from glmserve.model.attention import MLAttention
 from glmserve.model.config import GlmConfig
 from glmserve.model.forward_batch import ForwardBatch
 from glmserve.model.glm_model import GlmForCausalLM, init_random
+from glmserve.model.indexer import Indexer
 from glmserve.model.kv_layout import KVLayout
 from glmserve.model.paged_cache import PagedKVCache
 
@@ -74,3 +75,54 @@ def test_grouped_attention_equals_per_sequence(monkeypatch, topk):
     torch.testing.assert_close(grouped_cache, cache.buffer, rtol=1e-4, atol=1e-4)
     for g, a in zip(grouped_topk, alone_topk, strict=True):
         assert g.tolist() == a.tolist()
+
+
+def _decode_setup(topk: int, lengths: list[int]):
+    config = GlmConfig.from_dict(config_dict("glm52_schedule", index_topk=topk))
+    torch.manual_seed(0)
+    model = GlmForCausalLM(config)
+    init_random(model, std=0.2, generator=torch.Generator().manual_seed(1))
+    model.eval()
+    layout = KVLayout.for_config(config, block_size=BLOCK, dtype=torch.float32, with_mtp=False)
+    cache = PagedKVCache(layout, num_blocks=120)
+    tables = [list(range(i, 120, len(lengths))) for i in range(len(lengths))]
+    model.forward_logits(ForwardBatch.build([_prompt(n, seed=n) for n in lengths], [0] * len(lengths), tables, BLOCK),
+                         cache)
+    decode = ForwardBatch.build([[5 + i, 6] for i in range(len(lengths))], lengths, tables, BLOCK)
+    return model, cache, decode
+
+
+@torch.no_grad()
+def test_folded_projections_equal_the_unfolded_ones():
+    """kv_b_proj folded into the query and output projections (AbsorbedProjections) gives the
+    decode-group kernel the output it has with the projections run one after another."""
+    model, cache, decode = _decode_setup(16, [9, 20, 47, 90, 31])
+    saved = cache.buffer.clone()
+    folded, folded_topk = model(model.context(decode, cache))
+    attns = [layer.self_attn for name, layer in model.model.layers.items()]
+    assert all(a.absorbed.folds for a in attns)
+    for a in attns:
+        a.absorbed.folds = False
+    cache.buffer.copy_(saved)
+    unfolded, unfolded_topk = model(model.context(decode, cache))
+    torch.testing.assert_close(folded, unfolded, rtol=1e-4, atol=1e-4)  # summation order differs
+    assert [t.tolist() for t in folded_topk] == [t.tolist() for t in unfolded_topk]
+
+
+@torch.no_grad()
+def test_contexts_within_index_topk_skip_the_indexer_and_select_all(monkeypatch):
+    """With every context within index_topk the indexer's queries are not computed; the result is the
+    one the indexer gives (it selects the whole context), also where the padded width exceeds it."""
+    model, cache, decode = _decode_setup(30, [9, 20, 27, 17])  # contexts up to 29, padded to 32
+    saved = cache.buffer.clone()
+    calls = []
+    queries_from = Indexer.queries_from
+    monkeypatch.setattr(Indexer, "queries_from", lambda self, *a: calls.append(1) or queries_from(self, *a))
+    skipped, skipped_topk = model(model.context(decode, cache))
+    assert not calls
+    monkeypatch.setattr(MLAttention, "_needs_index", lambda self, ctx: True)
+    cache.buffer.copy_(saved)
+    indexed, indexed_topk = model(model.context(decode, cache))
+    assert calls
+    torch.testing.assert_close(skipped, indexed, rtol=0, atol=0)
+    assert [t.tolist() for t in skipped_topk] == [t.tolist() for t in indexed_topk]
