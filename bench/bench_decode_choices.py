@@ -1,16 +1,14 @@
 """The decode step's kernel choices, each switched off against the defaults, step by step interleaved.
 
 One engine per (batch, context) holds `batch` requests in steady decode (MTP off, one token a step),
-new ones every round. In every round each variant runs `--steps` steps of every load, variants in rotating order, and the
-ratio to the defaults is taken within the round (this machine drifts 30-50% within seconds). The
-variants switch off one choice of glmserve/model/attention.py and absorbed_projections.py each:
+new ones every round. In every round each variant runs `--steps` steps of every load, variants in
+rotating order, and the ratio to the defaults is taken within the round (this machine drifts 30-50%
+within seconds). The variants switch off one choice of glmserve/model/attention.py each:
 
 - unfolded: kv_b_proj not folded into the query and output projections (AbsorbedProjections.folds);
-- model-dtype attention: decode groups attend in the model's dtype at every size
-  (FLOAT32_GROUP_MAX_VALUES = -1; in float32 the same as the defaults);
 - indexer always: the indexer's queries and scores run even where every context is within
   index_topk (its selection is then the whole context);
-- all off: the three together.
+- all off: both together.
 
     python bench/bench_decode_choices.py [--batches 8,32 --contexts 64,256 --rounds 5 --dtype auto]
 """
@@ -66,16 +64,6 @@ def unfolded(model):
 
 
 @contextmanager
-def model_dtype_attention(model):
-    saved = attention.FLOAT32_GROUP_MAX_VALUES
-    attention.FLOAT32_GROUP_MAX_VALUES = -1
-    try:
-        yield
-    finally:
-        attention.FLOAT32_GROUP_MAX_VALUES = saved
-
-
-@contextmanager
 def indexer_always(model):
     saved = attention.MLAttention._needs_index
     attention.MLAttention._needs_index = lambda self, ctx: True
@@ -85,8 +73,7 @@ def indexer_always(model):
         attention.MLAttention._needs_index = saved
 
 
-SWITCHES = {"unfolded": [unfolded], "model-dtype attention": [model_dtype_attention],
-            "indexer always": [indexer_always], "all off": [unfolded, model_dtype_attention, indexer_always]}
+SWITCHES = {"unfolded": [unfolded], "indexer always": [indexer_always], "all off": [unfolded, indexer_always]}
 
 
 def timed_steps(load: DecodeLoad, model, switches, steps: int) -> float:

@@ -34,8 +34,6 @@ ABSORBED_MAX_QUERIES = 16
 # selection): gathering k rows per query costs more than attending to all T keys while T is short
 # (512-token prompts of the bundled model: 5.6x the TTFT of dense in bench_vllm_peer).
 DENSE_MAX_CONTEXT = 4
-# Selected rows (values) of a decode group up to which its attention runs in float32 (see _attend_group).
-FLOAT32_GROUP_MAX_VALUES = 1 << 18
 
 
 class MLAttention(nn.Module):
@@ -206,8 +204,8 @@ class MLAttention(nn.Module):
         return out, topk
 
     def _attend_group(self, ctx, g: DecodeGroup, query, index, topk_in):
-        """Absorbed sparse attention of a DecodeGroup: latent output [B * S, heads, latent] (float32 or
-        the model's dtype) and per-sequence top-k, given the absorbed query [B * S, heads, latent + rope] (scaled).
+        """Absorbed sparse attention of a DecodeGroup: latent output [B * S, heads, latent] and
+        per-sequence top-k, given the absorbed query [B * S, heads, latent + rope] (scaled).
 
         Only the selected latent rows are read from the paged cache (looked up through the block table),
         never a sequence's whole context.
@@ -227,15 +225,12 @@ class MLAttention(nn.Module):
         allowed = selected <= g.positions.unsqueeze(-1)
         if valid is not None:
             allowed &= valid
-        # Small groups attend in float32 whatever the model's dtype: on CPU a bf16 matmul this small costs
-        # ~3x a float32 one (oneDNN's per-call overhead), more than converting the rows; from about 16
-        # decoding sequences on it is the other way round (bench: docs/benchmarks.md). The value
-        # product runs over the whole rows (rope columns included): slicing them first would copy them.
-        dtype = torch.float32 if rows.numel() <= FLOAT32_GROUP_MAX_VALUES else query.dtype
-        query = query.view(b, s, self.heads, -1).to(dtype)  # [B, S, H, latent + rope]
-        rows = rows.to(dtype)
+        query = query.view(b, s, self.heads, -1)  # [B, S, H, latent + rope]
+        rows = rows.to(query.dtype)
         scores = torch.matmul(query, rows.transpose(-1, -2))  # [B, S, H, K]
-        probs = self._softmax(scores, allowed.unsqueeze(2), dtype)
+        probs = self._softmax(scores, allowed.unsqueeze(2), query.dtype)
+        # The value product runs over the whole rows (rope columns included): slicing them first would
+        # copy them.
         lat_out = torch.matmul(probs, rows)[..., : self.latent_dim]
         return lat_out.reshape(b * s, self.heads, self.latent_dim), topks
 
