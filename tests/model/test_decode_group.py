@@ -37,11 +37,9 @@ def test_gather_rows_and_blocks_read_exactly_the_addressed_rows():
             assert torch.equal(PagedKVCache.gather_blocks(view, blocks), view[blocks])
 
 
-@pytest.mark.parametrize("topk", [16, 32])
-@torch.no_grad()
-def test_grouped_attention_equals_per_sequence(monkeypatch, topk):
-    """Mixed step: decodes (1 query), verifies (3 queries) and a prefill chunk, contexts on both
-    sides of index_topk, interleaved block tables; logits and top-k equal the per-sequence path."""
+def _prefilled(topk: int, lengths: list[int]):
+    """A random model with index_topk `topk` and a cache holding prompts of `lengths` tokens in
+    interleaved block tables: (model, cache, tables)."""
     config = GlmConfig.from_dict(config_dict("glm52_schedule", index_topk=topk))
     torch.manual_seed(0)
     model = GlmForCausalLM(config)
@@ -49,10 +47,26 @@ def test_grouped_attention_equals_per_sequence(monkeypatch, topk):
     model.eval()
     layout = KVLayout.for_config(config, block_size=BLOCK, dtype=torch.float32, with_mtp=False)
     cache = PagedKVCache(layout, num_blocks=120)
+    n = len(lengths)
+    tables = [list(range(i, 120, n)) for i in range(n)]
+    model.forward_logits(ForwardBatch.build([_prompt(k, seed=k) for k in lengths], [0] * n, tables, BLOCK), cache)
+    return model, cache, tables
+
+
+def _decode_setup(topk: int, lengths: list[int]):
+    """_prefilled, and a step of two new tokens for every sequence."""
+    model, cache, tables = _prefilled(topk, lengths)
+    decode = ForwardBatch.build([[5 + i, 6] for i in range(len(lengths))], lengths, tables, BLOCK)
+    return model, cache, decode
+
+
+@pytest.mark.parametrize("topk", [16, 32])
+@torch.no_grad()
+def test_grouped_attention_equals_per_sequence(monkeypatch, topk):
+    """Mixed step: decodes (1 query), verifies (3 queries) and a prefill chunk, contexts on both
+    sides of index_topk, interleaved block tables; logits and top-k equal the per-sequence path."""
     lengths = [9, 20, 47, 90, 31]
-    tables = [list(range(i, 120, 5)) for i in range(5)]
-    prompts = [_prompt(n, seed=n) for n in lengths]
-    model.forward_logits(ForwardBatch.build(prompts, [0] * 5, tables, BLOCK), cache)
+    model, cache, tables = _prefilled(topk, lengths)
     new = [[5], [6, 7, 8], [9], [10, 11, 12], _prompt(20, seed=3)]
     batch = ForwardBatch.build(new, lengths, tables, BLOCK)
     saved = cache.buffer.clone()
@@ -75,21 +89,6 @@ def test_grouped_attention_equals_per_sequence(monkeypatch, topk):
     torch.testing.assert_close(grouped_cache, cache.buffer, rtol=1e-4, atol=1e-4)
     for g, a in zip(grouped_topk, alone_topk, strict=True):
         assert g.tolist() == a.tolist()
-
-
-def _decode_setup(topk: int, lengths: list[int]):
-    config = GlmConfig.from_dict(config_dict("glm52_schedule", index_topk=topk))
-    torch.manual_seed(0)
-    model = GlmForCausalLM(config)
-    init_random(model, std=0.2, generator=torch.Generator().manual_seed(1))
-    model.eval()
-    layout = KVLayout.for_config(config, block_size=BLOCK, dtype=torch.float32, with_mtp=False)
-    cache = PagedKVCache(layout, num_blocks=120)
-    tables = [list(range(i, 120, len(lengths))) for i in range(len(lengths))]
-    model.forward_logits(ForwardBatch.build([_prompt(n, seed=n) for n in lengths], [0] * len(lengths), tables, BLOCK),
-                         cache)
-    decode = ForwardBatch.build([[5 + i, 6] for i in range(len(lengths))], lengths, tables, BLOCK)
-    return model, cache, decode
 
 
 @torch.no_grad()
