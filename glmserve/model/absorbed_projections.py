@@ -45,7 +45,7 @@ class AbsorbedProjections:
 
     def query(self, q_resid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """The absorbed kernel's query [N, H, latent + rope], scaled, from q_resid [N, q_lora_rank]."""
-        q_b_proj, kv_b_proj, _ = self.layers
+        q_b_proj = self.layers[0]
         if self.folds and not torch.is_grad_enabled():
             w_q, _ = self._folded()
             q = F.linear(q_resid, w_q).view(q_resid.shape[0], self.heads, -1)
@@ -57,7 +57,7 @@ class AbsorbedProjections:
 
     def output(self, latent_out: torch.Tensor) -> torch.Tensor:
         """The layer's attention output [N, hidden] from the kernel's latent output [N, H, latent] (any dtype)."""
-        _, _, o_proj = self.layers
+        o_proj = self.layers[2]
         latent_out = latent_out.to(o_proj.weight.dtype)
         if self.folds and not torch.is_grad_enabled():
             _, w_o = self._folded()
@@ -78,7 +78,7 @@ class AbsorbedProjections:
 
     def _fold(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(W_q [H * (latent + rope), q_lora_rank], W_o [hidden, H * latent]), folded in float32."""
-        q_b_proj, kv_b_proj, o_proj = self.layers
+        q_b_proj, _, o_proj = self.layers
         dtype = q_b_proj.weight.dtype
         h = self.heads
         w_q = q_b_proj.weight.float().view(h, self.nope_dim + self.rope_dim, -1)

@@ -94,6 +94,8 @@ class MLAttention(nn.Module):
             for i, t in zip(g.seq_ids, g_topks, strict=True):
                 topks[i] = t
         ungrouped = [i for i, t in enumerate(topks) if t is None]
+        if not ungrouped and len(grouped_out) == 1 and grouped_out[0][1].shape[0] == n:
+            return grouped_out[0][1], topks  # a decode-only step: one group holds every row, in order
         if ungrouped:
             out = self.o_proj(self._attend_ungrouped(ctx, ungrouped, q_resid, new_kv, index, topk_in, topks))
         else:
