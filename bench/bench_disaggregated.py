@@ -29,7 +29,6 @@ import queue
 import random
 import re
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -45,6 +44,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench.common import load_average, markdown_table, print_header  # noqa: E402
+from glmserve.commands.free_ports import PortPicker  # noqa: E402
 from glmserve.kv.transfer import (  # noqa: E402
     make_backend,
     measure_write_throughput,
@@ -126,10 +126,7 @@ class Server:
                 self.proc.wait()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+free_port = PortPicker("127.0.0.1").port  # below the ephemeral range: no client socket takes it first
 
 
 def start_servers(model: Path, transfer: str) -> dict[str, Server]:

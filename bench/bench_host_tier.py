@@ -24,7 +24,6 @@ import asyncio
 import os
 import selectors
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -42,6 +41,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench.common import markdown_table, print_header  # noqa: E402
+from glmserve.commands.free_ports import PortPicker  # noqa: E402
 from glmserve.core.block_hash import reusable_blocks  # noqa: E402
 from glmserve.core.generation import SamplingParams  # noqa: E402
 from glmserve.model.config import GlmConfig  # noqa: E402
@@ -66,10 +66,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+free_port = PortPicker("127.0.0.1").port  # below the ephemeral range: no client socket takes it first
 
 
 class Proc:

@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import os
 import queue
-import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -18,38 +16,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.shared import MODEL_DIR, REPO
-
-
-def _ephemeral_low() -> int:
-    """The first port the kernel hands out for bind(0) and outgoing connections."""
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
-
-
-def free_port_run(count: int) -> int:
-    """The first of ``count`` consecutive ports free now, below the kernel's ephemeral range: no
-    bind(0) and no outgoing connection of the platform (or of anything else) can take one of them
-    between now and when the services bind them."""
-    rng = random.Random()
-    high = _ephemeral_low() - count
-    for _ in range(200):
-        base = rng.randrange(20000, high)
-        sockets = []
-        try:
-            for port in range(base, base + count):
-                s = socket.socket()
-                sockets.append(s)
-                s.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in sockets:
-                s.close()
-    raise RuntimeError(f"no run of {count} free ports")
+from tests.shared import MODEL_DIR, REPO, free_port_run  # noqa: F401 - re-exported
 
 
 class ServePlatform:

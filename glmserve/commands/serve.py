@@ -18,11 +18,9 @@ Children get SIGTERM if the launcher itself dies (Linux).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib.util
 import os
 import signal
-import socket
 import sys
 import threading
 import time
@@ -32,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from glmserve.commands.child import ChildSpec
+from glmserve.commands.free_ports import free_ports
 from glmserve.commands.supervisor import GaveUp, RestartPolicy, Supervisor
 from glmserve.core.dtype_names import DTYPE_CHOICES
 
@@ -172,15 +171,6 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="fixed metrics ports from BASE: kvstore BASE, prefill-i BASE+1+i, then decode-j "
                    "after the prefill workers, then LayerSplit stages 1.. of each prefill worker in order "
                    "(0: free ports; the router's are on its HTTP port)")
-
-
-def free_ports(host: str, n: int) -> list[int]:
-    """``n`` distinct ports free on ``host`` now (held together while chosen, so none repeats)."""
-    with contextlib.ExitStack() as stack:
-        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
-        for s in socks:
-            s.bind((host, 0))
-        return [s.getsockname()[1] for s in socks]
 
 
 def module_exists(name: str) -> bool:

@@ -18,7 +18,8 @@ import pytest
 from router_fixtures import HAS_MODEL, MODEL_DIR
 
 from glmserve.commands.child import ChildSpec
-from glmserve.commands.serve import ServeConfig, free_ports, module_exists, plan
+from glmserve.commands.free_ports import free_ports
+from glmserve.commands.serve import ServeConfig, module_exists, plan
 from glmserve.commands.supervisor import GaveUp, RestartPolicy, Supervisor
 
 REPO = Path(__file__).resolve().parents[2]
