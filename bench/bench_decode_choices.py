@@ -8,7 +8,9 @@ within seconds). The variants switch off one choice of glmserve/model/attention.
 - unfolded: kv_b_proj not folded into the query and output projections (AbsorbedProjections.folds);
 - indexer always: the indexer's queries and scores run even where every context is within
   index_topk (its selection is then the whole context);
-- all off: both together.
+- experts grouped: routed experts run on rows grouped by expert, not densely (glmserve/model/moe.py,
+  DENSE_MAX_TOKENS);
+- all off: all of these together.
 
     python bench/bench_decode_choices.py [--batches 8,32 --contexts 64,256 --rounds 5 --dtype auto]
 """
@@ -31,7 +33,7 @@ import torch  # noqa: E402
 from bench.bench_floor import DecodeLoad  # noqa: E402
 from bench.common import RunMonitor, markdown_table, print_header, rotated, setup  # noqa: E402
 from glmserve.engine.engine import Engine, EngineConfig  # noqa: E402
-from glmserve.model import attention  # noqa: E402
+from glmserve.model import attention, moe  # noqa: E402
 from glmserve.model.dtype_choice import resolve_dtype  # noqa: E402
 from glmserve.model.loader import load_model  # noqa: E402
 
@@ -73,7 +75,18 @@ def indexer_always(model):
         attention.MLAttention._needs_index = saved
 
 
-SWITCHES = {"unfolded": [unfolded], "indexer always": [indexer_always], "all off": [unfolded, indexer_always]}
+@contextmanager
+def experts_grouped(model):
+    saved = moe.DENSE_MAX_TOKENS
+    moe.DENSE_MAX_TOKENS = 0
+    try:
+        yield
+    finally:
+        moe.DENSE_MAX_TOKENS = saved
+
+
+SWITCHES = {"unfolded": [unfolded], "indexer always": [indexer_always], "experts grouped": [experts_grouped],
+            "all off": [unfolded, indexer_always, experts_grouped]}
 
 
 def timed_steps(load: DecodeLoad, model, switches, steps: int) -> float:
