@@ -3,12 +3,15 @@
 One engine per (batch, context) holds `batch` requests in steady decode (MTP off, one token a step),
 new ones every round. In every round each variant runs `--steps` steps of every load, variants in
 rotating order, and the ratio to the defaults is taken within the round (this machine drifts 30-50%
-within seconds). The variants switch off one choice of glmserve/model/attention.py each:
+within seconds). The variants switch off one choice each:
 
-- unfolded: kv_b_proj not folded into the query and output projections (AbsorbedProjections.folds);
-- indexer always: the indexer's queries and scores run even where every context is within
+- layer by layer: decode steps through the model's layers (`GlmForCausalLM.forward`), not the one
+  function written for short-query batches (`decode_forward`); the choices below (marked +) are
+  switched off on top of it, as they apply only there;
+- + unfolded: kv_b_proj not folded into the query and output projections (AbsorbedProjections.folds);
+- + indexer always: the indexer's queries and scores run even where every context is within
   index_topk (its selection is then the whole context);
-- experts grouped: routed experts run on rows grouped by expert, not densely (glmserve/model/moe.py,
+- + experts grouped: routed experts run on rows grouped by expert, not densely (glmserve/model/moe.py,
   DENSE_MAX_TOKENS);
 - all off: all of these together.
 
@@ -85,8 +88,18 @@ def experts_grouped(model):
         moe.DENSE_MAX_TOKENS = saved
 
 
-SWITCHES = {"unfolded": [unfolded], "indexer always": [indexer_always], "experts grouped": [experts_grouped],
-            "all off": [unfolded, indexer_always, experts_grouped]}
+@contextmanager
+def layer_by_layer(model):
+    model.decode_graph_enabled = False
+    try:
+        yield
+    finally:
+        model.decode_graph_enabled = True
+
+
+SWITCHES = {"layer by layer": [layer_by_layer], "+ unfolded": [layer_by_layer, unfolded],
+            "+ indexer always": [layer_by_layer, indexer_always], "+ experts grouped": [layer_by_layer, experts_grouped],
+            "all off": [layer_by_layer, unfolded, indexer_always, experts_grouped]}
 
 
 def timed_steps(load: DecodeLoad, model, switches, steps: int) -> float:

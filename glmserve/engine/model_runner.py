@@ -40,8 +40,40 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run_main(self, work: list[ScheduledWork]) -> MainResult:
+        """The main model over this step's work: decode items (the pending token and its drafts) through
+        `GlmForCausalLM.decode`, one pass per length, the rest (prompt chunks) through its layers."""
+        result = MainResult([None] * len(work), [None] * len(work))  # type: ignore[list-item]
+        by_len: dict[int, list[int]] = {}
+        general = []
+        for i, w in enumerate(work):
+            if w.is_decode and self.model.decodes_queries(w.num_new):
+                by_len.setdefault(w.num_new, []).append(i)
+            else:
+                general.append(i)
+        for items in by_len.values():
+            self._run_graph(work, items, result)
+        if general:
+            self._run_model(work, general, result)
+        return result
+
+    def _run_graph(self, work: list[ScheduledWork], items: list[int], result: MainResult) -> None:
+        """Decode items of one length S in one `decode` pass."""
+        reqs = [work[i].request for i in items]
+        s = work[items[0]].num_new
+        ids = torch.tensor([[r.token_ids[-1], *r.drafts][:s] for r in reqs], dtype=torch.int64)
+        positions = torch.tensor([r.num_computed for r in reqs], dtype=torch.int64)[:, None] + torch.arange(s)
+        width = max(len(r.block_ids) for r in reqs)
+        tables = torch.tensor([r.block_ids + [0] * (width - len(r.block_ids)) for r in reqs], dtype=torch.int64)
+        logits, normed = self.model.decode(self.cache, ids, positions, tables)
+        for j, i in enumerate(items):
+            result.hidden[i] = normed[j * s : (j + 1) * s]
+            result.logits[i] = logits[j * s : (j + 1) * s]
+
+    def _run_model(self, work: list[ScheduledWork], items: list[int], result: MainResult) -> None:
+        """Work items through the model layer by layer (prompt chunks; decode where `decode` cannot run)."""
         tokens, starts, reqs = [], [], []
-        for w in work:
+        for i in items:
+            w = work[i]
             r = w.request
             if w.is_decode:
                 tokens.append([r.token_ids[-1], *r.drafts][: w.num_new])
@@ -54,19 +86,19 @@ class ModelRunner:
         normed = self.model.final_norm(hidden)
         per_item = list(normed.split([len(t) for t in tokens]))
         rows, owners = [], []
-        for i, w in enumerate(work):
+        for i, hidden_i in zip(items, per_item, strict=True):
+            result.hidden[i] = hidden_i
+            w = work[i]
             r = w.request
             if w.is_decode:
-                rows.append(per_item[i])
+                rows.append(hidden_i)
                 owners.append(i)
             elif r.num_computed + w.num_new == len(r.prompt_ids) and not r.output_ids:
-                rows.append(per_item[i][-1:])
+                rows.append(hidden_i[-1:])
                 owners.append(i)
-        logits: list[torch.Tensor | None] = [None] * len(work)
         if rows:
             for i, chunk in zip(owners, self.model.logits(torch.cat(rows)).split([len(x) for x in rows]), strict=True):
-                logits[i] = chunk.float()
-        return MainResult(per_item, logits)
+                result.logits[i] = chunk.float()
 
     @torch.inference_mode()
     def store_mtp_kv(

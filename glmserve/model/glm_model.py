@@ -12,10 +12,13 @@ import dataclasses
 import torch
 from torch import nn
 
+from glmserve.model.attention import ABSORBED_MAX_QUERIES
 from glmserve.model.config import GlmConfig
+from glmserve.model.decode_forward import decode_forward
 from glmserve.model.decoder_layer import DecoderLayer
 from glmserve.model.forward_batch import ForwardBatch
 from glmserve.model.forward_context import ForwardContext
+from glmserve.model.graph_weights import GraphWeights, source_key
 from glmserve.model.mtp import MtpLayer
 from glmserve.model.norms import RMSNorm
 from glmserve.model.paged_cache import PagedKVCache
@@ -64,6 +67,9 @@ class GlmForCausalLM(nn.Module):
         )
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False) if self.is_last else None
         self.rope = Rope(config.qk_rope_head_dim, config.rope_theta)
+        self._graph_weights: GraphWeights | None = None  # decode_forward's view of the weights, once used
+        self._graph_unsupported: tuple[str | None] | None = None
+        self.decode_graph_enabled = True  # False: short-query batches too go layer by layer (benchmarks)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -104,9 +110,48 @@ class GlmForCausalLM(nn.Module):
         return self.lm_head(normed_hidden)
 
     def forward_logits(self, batch: ForwardBatch, cache: PagedKVCache | None = None, **flags) -> torch.Tensor:
-        """Whole-model convenience: logits [N, vocab] for every token of the batch."""
+        """Whole-model convenience: logits [N, vocab] for every token of the batch (a batch of short
+        queries, all of one length, through `decode`)."""
+        if not flags and cache is not None and self.decodes(batch):
+            b = len(batch.seqs)
+            logits, _ = self.decode(cache, batch.input_ids.view(b, -1), batch.positions.view(b, -1), batch.block_tables)
+            return logits
         hidden, _ = self.forward(self.context(batch, cache, **flags))
         return self.logits(self.final_norm(hidden))
+
+    # --- decode and verification steps in one function (decode_forward) -------------------------------
+
+    @property
+    def graph_unsupported(self) -> str | None:
+        """Why `decode` cannot run this model (None: it can)."""
+        if self._graph_unsupported is None:  # checked again by `decode` when a parameter changed
+            self._graph_unsupported = (GraphWeights.supports(self),)
+        return self._graph_unsupported[0]
+
+    def decodes(self, batch: ForwardBatch) -> bool:
+        """Whether `decode` runs this batch: the whole model, every sequence with the same number of new
+        tokens, at most ABSORBED_MAX_QUERIES (decode and MTP verification)."""
+        lengths = {seq.num_new for seq in batch.seqs}
+        return len(lengths) == 1 and self.decodes_queries(lengths.pop())
+
+    def decodes_queries(self, num_new: int) -> bool:
+        """Whether `decode` runs sequences of `num_new` new tokens."""
+        return self.decode_graph_enabled and 0 < num_new <= ABSORBED_MAX_QUERIES and self.graph_unsupported is None
+
+    def decode(self, cache: PagedKVCache, input_ids: torch.Tensor, positions: torch.Tensor,
+               tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits [B * S, V] float32, normed hidden [B * S, hidden]) of B sequences of S new tokens:
+        ids and positions [B, S] (each row consecutive), block tables [B, W]; the new tokens' KV is
+        stored in `cache`. The same function as `forward`, written for such batches
+        (glmserve/model/decode_forward.py)."""
+        if self._graph_weights is None or self._graph_weights.key != source_key(self):
+            self._graph_unsupported = (GraphWeights.supports(self),)
+            if self._graph_unsupported[0] is not None:
+                raise ValueError(f"model: decode cannot run {self._graph_unsupported[0]}")
+            self._graph_weights = GraphWeights.of(self)
+        cos, sin = self.rope.cos_sin(positions.reshape(-1), self.dtype)
+        normed = decode_forward(self._graph_weights, self.config, cache, input_ids, positions, tables, cos, sin)
+        return self.logits(normed).float(), normed
 
     def mtp_step(
         self, ctx: ForwardContext, prev_hidden: torch.Tensor, topk_in: list[torch.Tensor] | None = None

@@ -80,7 +80,7 @@ class Indexer(nn.Module):
             if first < end:
                 later = torch.arange(first, end, device=q.device) > positions[a:b, None]
                 scores[:, first:].masked_fill_(later, float("-inf"))
-            out[a:b] = _top_k(scores, k)
+            out[a:b] = top_k_earliest(scores, k)
         return out
 
     def select(self, scores: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
@@ -97,17 +97,17 @@ class Indexer(nn.Module):
         if k == t:
             return torch.arange(k, device=scores.device).expand(*lead, k)
         if positions is None or scores.dim() != 2:
-            return _top_k(scores.reshape(-1, t), k).view(*lead, k)
+            return top_k_earliest(scores.reshape(-1, t), k).view(*lead, k)
         short = int(torch.searchsorted(positions, k))  # queries before position k
         if short == 0:
-            return _top_k(scores, k)
+            return top_k_earliest(scores, k)
         first = torch.arange(k, device=scores.device).expand(short, k)
         if short == lead[0]:
             return first
-        return torch.cat([first, _top_k(scores[short:], k)])
+        return torch.cat([first, top_k_earliest(scores[short:], k)])
 
 
-def _top_k(flat: torch.Tensor, k: int) -> torch.Tensor:
+def top_k_earliest(flat: torch.Tensor, k: int) -> torch.Tensor:
     """[R, k] ascending positions of each row's k best scores, ties towards earlier positions."""
     # torch.topk finds the k best (2-3x faster than kthvalue on CPU); only rows with more than k
     # scores at or above the cut (ties there, frequent after the ReLU) need the earliest ties picked.

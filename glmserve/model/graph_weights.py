@@ -1,0 +1,141 @@
+"""GraphWeights: the tensors `decode_forward` reads, taken from a whole GlmForCausalLM once.
+
+The decode graph is a function of plain tensors (no module calls, no caches that check versions per
+call), so torch.compile sees one flat graph. The tensors are the model's own parameters, or for the
+fused and folded projections the same caches the eager kernels build (FusedLinear's concatenation,
+AbsorbedProjections' folded query and output): the graph computes with exactly those weights.
+`GraphWeights.of(model)` is cheap to call again; `decode_graph.graph_weights` does so when a weight
+changed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from glmserve.model.attention import MLAttention
+from glmserve.model.fused_linear import version_key
+from glmserve.model.mlp import GatedMLP
+from glmserve.model.moe import MoE
+
+if TYPE_CHECKING:
+    from glmserve.model.glm_model import GlmForCausalLM
+
+# Routed experts run densely in the graph (every token through every expert, weighted by its router
+# weights, zero for experts it did not choose): static shapes, no sort by expert. That is
+# n_routed_experts / num_experts_per_tok times the routed FLOPs; beyond this ratio the eager
+# kernels (rows grouped by expert) stay in use.
+DENSE_EXPERTS_MAX_RATIO = 4
+
+
+@dataclass(frozen=True)
+class MlpWeights:
+    gate_up: torch.Tensor  # [2 * intermediate, hidden]: gate rows, then up rows
+    down: torch.Tensor  # [hidden, intermediate]
+
+
+@dataclass(frozen=True)
+class MoeWeights:
+    router: torch.Tensor  # [E, hidden] float32
+    bias: torch.Tensor  # [E] float32 e_score_correction_bias
+    experts_gate_up: torch.Tensor  # [E, 2 * intermediate, hidden]
+    experts_down: torch.Tensor  # [E, hidden, intermediate]
+    shared: MlpWeights
+    top_k: int
+    norm_topk_prob: bool
+    scaling: float
+
+
+@dataclass(frozen=True)
+class IndexerWeights:
+    wq_b: torch.Tensor  # [heads * head_dim, q_lora_rank]
+    k_norm_weight: torch.Tensor
+    k_norm_bias: torch.Tensor
+    weights_proj: torch.Tensor  # [heads, hidden], float32 in checkpoints
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    index: int  # the layer's number: where its KV lives in a cache layout
+    input_norm: torch.Tensor
+    input_proj: torch.Tensor  # q_a_proj and kv_a_proj_with_mqa (and the indexer's wk), one matmul
+    q_norm: torch.Tensor
+    kv_norm: torch.Tensor
+    query: torch.Tensor  # folded W_q [H * (latent + rope), q_lora_rank], scale included
+    output: torch.Tensor  # folded W_o [hidden, H * latent]
+    post_norm: torch.Tensor
+    mlp: MlpWeights | MoeWeights
+    indexer: IndexerWeights | None  # full layers only; shared layers reuse the last full layer's selection
+
+
+@dataclass(frozen=True)
+class GraphWeights:
+    embed: torch.Tensor
+    layers: tuple[LayerWeights, ...]
+    norm: torch.Tensor
+    key: tuple  # version_key of every source tensor: a changed weight means take them again
+
+    @staticmethod
+    def supports(model: GlmForCausalLM) -> str | None:
+        """Why the graph cannot run this model (None: it can)."""
+        c = model.config
+        if not (model.is_first and model.is_last):
+            return "a LayerSplit stage (the graph needs the whole model)"
+        if c.n_group > 1:
+            return "grouped expert routing (n_group > 1)"
+        if c.n_routed_experts > DENSE_EXPERTS_MAX_RATIO * max(c.num_experts_per_tok, 1):
+            return f"{c.n_routed_experts} experts, top-{c.num_experts_per_tok} (dense experts would cost more than grouping)"
+        attn = [layer.self_attn for layer in _main_layers(model)]
+        if not all(a.absorbed.folds for a in attn):
+            return "attention projections too large to fold"
+        return None
+
+    @classmethod
+    def of(cls, model: GlmForCausalLM) -> GraphWeights:
+        # Plain tensors without autograd history, wherever this is called from (as FusedLinear's cache).
+        with torch.inference_mode(False), torch.no_grad():
+            layers = tuple(_layer(i, layer) for i, layer in _numbered_layers(model))
+            return cls(model.model.embed_tokens.weight, layers, model.model.norm.weight, source_key(model))
+
+
+def source_key(model: GlmForCausalLM) -> tuple:
+    """What the graph's weights must match: every parameter's storage and version."""
+    return version_key(list(model.parameters()))
+
+
+def _numbered_layers(model: GlmForCausalLM):
+    return [(i, model.model.layers[str(i)]) for i in model.layer_range]
+
+
+def _main_layers(model: GlmForCausalLM):
+    return [layer for _, layer in _numbered_layers(model)]
+
+
+def _layer(index: int, layer) -> LayerWeights:
+    a: MLAttention = layer.self_attn
+    query, output = a.absorbed._folded()
+    parts = [a.q_a_proj.weight, a.kv_a_proj_with_mqa.weight]
+    indexer = None
+    if a.indexer is not None:
+        ix = a.indexer
+        parts.append(ix.wk.weight)
+        indexer = IndexerWeights(ix.wq_b.weight, ix.k_norm.weight, ix.k_norm.bias, ix.weights_proj.weight)
+    return LayerWeights(index, layer.input_layernorm.weight, torch.cat(parts), a.q_a_layernorm.weight,
+                        a.kv_a_layernorm.weight, query, output, layer.post_attention_layernorm.weight,
+                        _mlp(layer.mlp), indexer)
+
+
+def _mlp(mlp) -> MlpWeights | MoeWeights:
+    if isinstance(mlp, GatedMLP):
+        return _dense(mlp)
+    assert isinstance(mlp, MoE)
+    c = mlp.gate.config
+    return MoeWeights(mlp.gate.weight.float(), mlp.gate.e_score_correction_bias.float(), mlp.experts.gate_up_proj,
+                      mlp.experts.down_proj, _dense(mlp.shared_experts), c.num_experts_per_tok, c.norm_topk_prob,
+                      c.routed_scaling_factor)
+
+
+def _dense(mlp: GatedMLP) -> MlpWeights:
+    return MlpWeights(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), mlp.down_proj.weight)
