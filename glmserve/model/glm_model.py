@@ -18,7 +18,7 @@ from glmserve.model.decode_forward import decode_forward
 from glmserve.model.decoder_layer import DecoderLayer
 from glmserve.model.forward_batch import ForwardBatch
 from glmserve.model.forward_context import ForwardContext
-from glmserve.model.graph_weights import GraphWeights, source_key
+from glmserve.model.graph_weights import GraphWeights
 from glmserve.model.mtp import MtpLayer
 from glmserve.model.norms import RMSNorm
 from glmserve.model.paged_cache import PagedKVCache
@@ -144,7 +144,7 @@ class GlmForCausalLM(nn.Module):
         ids and positions [B, S] (each row consecutive), block tables [B, W]; the new tokens' KV is
         stored in `cache`. The same function as `forward`, written for such batches
         (glmserve/model/decode_forward.py)."""
-        if self._graph_weights is None or self._graph_weights.key != source_key(self):
+        if self._graph_weights is None or self._graph_weights.stale:
             self._graph_unsupported = (GraphWeights.supports(self),)
             if self._graph_unsupported[0] is not None:
                 raise ValueError(f"model: decode cannot run {self._graph_unsupported[0]}")

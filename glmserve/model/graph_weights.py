@@ -1,11 +1,11 @@
 """GraphWeights: the tensors `decode_forward` reads, taken from a whole GlmForCausalLM once.
 
-The decode graph is a function of plain tensors (no module calls, no caches that check versions per
-call), so torch.compile sees one flat graph. The tensors are the model's own parameters, or for the
-fused and folded projections the same caches the eager kernels build (FusedLinear's concatenation,
-AbsorbedProjections' folded query and output): the graph computes with exactly those weights.
-`GraphWeights.of(model)` is cheap to call again; `decode_graph.graph_weights` does so when a weight
-changed.
+Plain tensors, so the decode pass makes no module calls and checks no per-layer caches: the model's
+own parameters, or for the fused and folded projections the same caches the layers build
+(FusedLinear's concatenation, AbsorbedProjections' folded query and output), so both paths compute
+with exactly those weights. `GlmForCausalLM.decode` takes them again when `stale` (a main-layer
+parameter changed in place or its storage changed; a layer module replaced after the first
+decode is not seen).
 """
 
 from __future__ import annotations
@@ -75,7 +75,13 @@ class GraphWeights:
     embed: torch.Tensor
     layers: tuple[LayerWeights, ...]
     norm: torch.Tensor
-    key: tuple  # version_key of every source tensor: a changed weight means take them again
+    sources: tuple[torch.Tensor, ...]  # the main layers' parameters these were taken from
+    key: tuple  # their version_key when taken
+
+    @property
+    def stale(self) -> bool:
+        """Whether a source parameter changed since (in place, or its storage)."""
+        return version_key(list(self.sources)) != self.key
 
     @staticmethod
     def supports(model: GlmForCausalLM) -> str | None:
@@ -97,12 +103,10 @@ class GraphWeights:
         # Plain tensors without autograd history, wherever this is called from (as FusedLinear's cache).
         with torch.inference_mode(False), torch.no_grad():
             layers = tuple(_layer(i, layer) for i, layer in _numbered_layers(model))
-            return cls(model.model.embed_tokens.weight, layers, model.model.norm.weight, source_key(model))
-
-
-def source_key(model: GlmForCausalLM) -> tuple:
-    """What the graph's weights must match: every parameter's storage and version."""
-    return version_key(list(model.parameters()))
+            sources = tuple(p for _, layer in _numbered_layers(model) for p in layer.parameters())
+            sources += (model.model.embed_tokens.weight, model.model.norm.weight)
+            return cls(model.model.embed_tokens.weight, layers, model.model.norm.weight, sources,
+                       version_key(list(sources)))
 
 
 def _numbered_layers(model: GlmForCausalLM):
