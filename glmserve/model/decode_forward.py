@@ -136,15 +136,16 @@ def _mlp(h: torch.Tensor, w: MlpWeights) -> torch.Tensor:
 
 
 def _moe(h: torch.Tensor, w: MoeWeights) -> torch.Tensor:
-    """The router, every token through every routed expert weighted by its router weights (0 for the
-    experts it did not choose; `RoutedExperts._dense`), and the shared expert: what `MoE` computes."""
+    """The router, every token through every routed expert (two matmuls over all experts' weights side
+    by side; each token's activations weighted by its router weight, 0 for the experts it did not
+    choose, so the down projection also sums the experts), and the shared expert: what `MoE` computes."""
     scores = F.linear(h.float(), w.router).sigmoid()
     chosen = (scores + w.bias).topk(w.top_k, dim=-1, sorted=False).indices
     weights = scores.gather(1, chosen)
     if w.norm_topk_prob:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     routing = torch.zeros_like(scores).scatter_(1, chosen, weights * w.scaling)  # [N, E]
-    gate, up = torch.matmul(h.unsqueeze(0), w.experts_gate_up.transpose(1, 2)).chunk(2, dim=-1)  # [E, N, I]
-    out = torch.matmul(F.silu(gate, inplace=True).mul_(up), w.experts_down.transpose(1, 2))  # [E, N, hidden]
-    routed = (out * routing.t().unsqueeze(-1)).to(h.dtype).sum(dim=0)
-    return routed + _mlp(h, w.shared)
+    n, e = routing.shape
+    gate, up = F.linear(h, w.experts_gate_up).view(n, e, -1).chunk(2, dim=-1)  # [N, E, I] each
+    act = (F.silu(gate).mul_(up).float() * routing.unsqueeze(-1)).to(h.dtype)  # router weights are float32
+    return F.linear(act.view(n, -1), w.experts_down) + _mlp(h, w.shared)

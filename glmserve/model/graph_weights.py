@@ -40,8 +40,8 @@ class MlpWeights:
 class MoeWeights:
     router: torch.Tensor  # [E, hidden] float32
     bias: torch.Tensor  # [E] float32 e_score_correction_bias
-    experts_gate_up: torch.Tensor  # [E, 2 * intermediate, hidden]
-    experts_down: torch.Tensor  # [E, hidden, intermediate]
+    experts_gate_up: torch.Tensor  # [E * 2 * intermediate, hidden]: every expert's gate rows then up rows
+    experts_down: torch.Tensor  # [hidden, E * intermediate]: every expert's down projection side by side
     shared: MlpWeights
     top_k: int
     norm_topk_prob: bool
@@ -136,8 +136,9 @@ def _mlp(mlp) -> MlpWeights | MoeWeights:
         return _dense(mlp)
     assert isinstance(mlp, MoE)
     c = mlp.gate.config
-    return MoeWeights(mlp.gate.weight.float(), mlp.gate.e_score_correction_bias.float(), mlp.experts.gate_up_proj,
-                      mlp.experts.down_proj, _dense(mlp.shared_experts), c.num_experts_per_tok, c.norm_topk_prob,
+    gate_up, down = mlp.experts.gate_up_proj, mlp.experts.down_proj  # [E, 2I, H], [E, H, I]
+    return MoeWeights(mlp.gate.weight.float(), mlp.gate.e_score_correction_bias.float(), gate_up.flatten(0, 1),
+                      down.permute(1, 0, 2).reshape(down.shape[1], -1).contiguous(), _dense(mlp.shared_experts), c.num_experts_per_tok, c.norm_topk_prob,
                       c.routed_scaling_factor)
 
 
