@@ -221,19 +221,9 @@ class MLAttention(nn.Module):
             selected = self._group_select(ctx, g, index, block_size)
             valid = None
             topks = _split_topk(selected, self.indexer.index_topk, g.context_lens)
-        selected = selected.reshape(b, s, -1)
-        blocks = g.block_tables.gather(1, (selected // block_size).reshape(b, -1)).view(selected.shape)
-        rows = PagedKVCache.gather_rows(ctx.cache.latent_view(self.layer_idx), blocks, selected % block_size)
-        allowed = selected <= g.positions.unsqueeze(-1)
-        if valid is not None:
-            allowed &= valid
         query = query.view(b, s, self.heads, -1)  # [B, S, H, latent + rope]
-        rows = rows.to(query.dtype)
-        scores = torch.matmul(query, rows.transpose(-1, -2))  # [B, S, H, K]
-        probs = self._softmax(scores, allowed.unsqueeze(2), query.dtype)
-        # The value product runs over the whole rows (rope columns included): slicing them first would
-        # copy them.
-        lat_out = torch.matmul(probs, rows)[..., : self.latent_dim]
+        lat_out = attend_selected(query, ctx.cache.latent_view(self.layer_idx), g.block_tables, g.positions,
+                                  selected.reshape(b, s, -1), valid, self.latent_dim)
         return lat_out.reshape(b * s, self.heads, self.latent_dim), topks
 
     def _group_select(self, ctx, g: DecodeGroup, index, block_size: int) -> torch.Tensor:
@@ -267,10 +257,6 @@ class MLAttention(nn.Module):
             allowed = allowed & chosen
         return allowed
 
-    def _softmax(self, scores: torch.Tensor, allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
-        return F.softmax(scores, dim=-1, dtype=torch.float32).to(dtype)
-
     def _attend_expanded(self, q_nope, q_rot, kv, positions, selected, want_probs=False):
         t = kv.shape[0]
         latent, k_rot = kv.split([self.latent_dim, self.rope_dim], dim=-1)
@@ -278,7 +264,7 @@ class MLAttention(nn.Module):
         k = torch.cat([k_nope, k_rot.unsqueeze(1).expand(t, self.heads, self.rope_dim)], dim=-1)
         q = torch.cat([q_nope, q_rot], dim=-1)
         scores = torch.einsum("shd,thd->hst", q, k) * self.scaling
-        probs = self._softmax(scores, self._allowed(positions, t, selected).unsqueeze(0), q.dtype)
+        probs = masked_softmax(scores, self._allowed(positions, t, selected).unsqueeze(0), q.dtype)
         out = torch.einsum("hst,thd->shd", probs, v).reshape(q.shape[0], -1)
         return out, (probs.float().sum(0) if want_probs else None)
 
@@ -292,16 +278,40 @@ class MLAttention(nn.Module):
             allowed = (selected <= positions[:, None]).unsqueeze(1)
             latent, k_rot = rows.split([self.latent_dim, self.rope_dim], dim=-1)
             scores = torch.einsum("shc,skc->shk", q_lat, latent) + torch.einsum("shr,skr->shk", q_rot, k_rot)
-            probs = self._softmax(scores * self.scaling, allowed, q_lat.dtype)
+            probs = masked_softmax(scores * self.scaling, allowed, q_lat.dtype)
             lat_out = torch.einsum("shk,skc->shc", probs, latent)
         else:
             latent, k_rot = kv.split([self.latent_dim, self.rope_dim], dim=-1)
             scores = torch.einsum("shc,tc->sht", q_lat, latent) + torch.einsum("shr,tr->sht", q_rot, k_rot)
             allowed = self._allowed(positions, t, selected).unsqueeze(1)
-            probs = self._softmax(scores * self.scaling, allowed, q_lat.dtype)
+            probs = masked_softmax(scores * self.scaling, allowed, q_lat.dtype)
             lat_out = torch.einsum("sht,tc->shc", probs, latent)
         out = torch.einsum("shc,hvc->shv", lat_out, w_uv).reshape(q_nope.shape[0], -1)
         return out, (probs.float().sum(1) if want_probs else None)
+
+
+def attend_selected(query: torch.Tensor, view: torch.Tensor, tables: torch.Tensor, positions: torch.Tensor,
+                    selected: torch.Tensor, valid: torch.Tensor | None, latent_dim: int) -> torch.Tensor:
+    """Absorbed attention [B, S, H, latent] of queries [B, S, H, latent + rope] (scaled) at `positions`
+    [B, S] over the selected positions [B, S, K] of a layer's latent `view`, through block `tables`
+    [B, W]; `valid` [B, S, K] marks padding in the selection (None: none). Only the selected rows are
+    read, never a sequence's whole context."""
+    b = tables.shape[0]
+    block_size = view.shape[1]
+    blocks = tables.gather(1, (selected // block_size).reshape(b, -1)).view(selected.shape)
+    rows = PagedKVCache.gather_rows(view, blocks, selected % block_size).to(query.dtype)
+    allowed = selected <= positions.unsqueeze(-1)
+    if valid is not None:
+        allowed &= valid
+    probs = masked_softmax(torch.matmul(query, rows.transpose(-1, -2)), allowed.unsqueeze(2), query.dtype)
+    # The value product runs over the whole rows (rope columns included): slicing them first would copy them.
+    return torch.matmul(probs, rows)[..., :latent_dim]
+
+
+def masked_softmax(scores: torch.Tensor, allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Softmax over the last dim in float32 where `allowed`, in `dtype`."""
+    scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
+    return F.softmax(scores, dim=-1, dtype=torch.float32).to(dtype)
 
 
 def _split_topk(selected: torch.Tensor, index_topk: int, context_lens: list[int]) -> list[torch.Tensor]:

@@ -68,7 +68,7 @@ class GlmForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False) if self.is_last else None
         self.rope = Rope(config.qk_rope_head_dim, config.rope_theta)
         self._graph_weights: GraphWeights | None = None  # decode_forward's view of the weights, once used
-        self._graph_unsupported: tuple[str | None] | None = None
+        self.graph_unsupported = GraphWeights.supports(self)  # why `decode` cannot run it (None: it can)
         self.decode_graph_enabled = True  # False: short-query batches too go layer by layer (benchmarks)
 
     @property
@@ -121,13 +121,6 @@ class GlmForCausalLM(nn.Module):
 
     # --- decode and verification steps in one function (decode_forward) -------------------------------
 
-    @property
-    def graph_unsupported(self) -> str | None:
-        """Why `decode` cannot run this model (None: it can)."""
-        if self._graph_unsupported is None:  # checked again by `decode` when a parameter changed
-            self._graph_unsupported = (GraphWeights.supports(self),)
-        return self._graph_unsupported[0]
-
     def decodes(self, batch: ForwardBatch) -> bool:
         """Whether `decode` runs this batch: the whole model, every sequence with the same number of new
         tokens, at most ABSORBED_MAX_QUERIES (decode and MTP verification)."""
@@ -144,10 +137,9 @@ class GlmForCausalLM(nn.Module):
         ids and positions [B, S] (each row consecutive), block tables [B, W]; the new tokens' KV is
         stored in `cache`. The same function as `forward`, written for such batches
         (glmserve/model/decode_forward.py)."""
+        if self.graph_unsupported is not None:
+            raise ValueError(f"model: decode cannot run {self.graph_unsupported}")
         if self._graph_weights is None or self._graph_weights.stale:
-            self._graph_unsupported = (GraphWeights.supports(self),)
-            if self._graph_unsupported[0] is not None:
-                raise ValueError(f"model: decode cannot run {self._graph_unsupported[0]}")
             self._graph_weights = GraphWeights.of(self)
         cos, sin = self.rope.cos_sin(positions.reshape(-1), self.dtype)
         normed = decode_forward(self._graph_weights, self.config, cache, input_ids, positions, tables, cos, sin)

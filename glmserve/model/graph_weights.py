@@ -17,18 +17,12 @@ import torch
 
 from glmserve.model.attention import MLAttention
 from glmserve.model.fused_linear import version_key
+from glmserve.model.indexer import Indexer
 from glmserve.model.mlp import GatedMLP
-from glmserve.model.moe import MoE
+from glmserve.model.moe import DENSE_MAX_RATIO, MoE, TopkRouter
 
 if TYPE_CHECKING:
     from glmserve.model.glm_model import GlmForCausalLM
-
-# Routed experts run densely in the graph (every token through every expert, weighted by its router
-# weights, zero for experts it did not choose): static shapes, no sort by expert. That is
-# n_routed_experts / num_experts_per_tok times the routed FLOPs; beyond this ratio the eager
-# kernels (rows grouped by expert) stay in use.
-DENSE_EXPERTS_MAX_RATIO = 4
-
 
 @dataclass(frozen=True)
 class MlpWeights:
@@ -38,22 +32,10 @@ class MlpWeights:
 
 @dataclass(frozen=True)
 class MoeWeights:
-    router: torch.Tensor  # [E, hidden] float32
-    bias: torch.Tensor  # [E] float32 e_score_correction_bias
+    router: TopkRouter  # the layer's own router (routing is a few small ops, no weights to rearrange)
     experts_gate_up: torch.Tensor  # [E * 2 * intermediate, hidden]: every expert's gate rows then up rows
     experts_down: torch.Tensor  # [hidden, E * intermediate]: every expert's down projection side by side
     shared: MlpWeights
-    top_k: int
-    norm_topk_prob: bool
-    scaling: float
-
-
-@dataclass(frozen=True)
-class IndexerWeights:
-    wq_b: torch.Tensor  # [heads * head_dim, q_lora_rank]
-    k_norm_weight: torch.Tensor
-    k_norm_bias: torch.Tensor
-    weights_proj: torch.Tensor  # [heads, hidden], float32 in checkpoints
 
 
 @dataclass(frozen=True)
@@ -67,7 +49,7 @@ class LayerWeights:
     output: torch.Tensor  # folded W_o [hidden, H * latent]
     post_norm: torch.Tensor
     mlp: MlpWeights | MoeWeights
-    indexer: IndexerWeights | None  # full layers only; shared layers reuse the last full layer's selection
+    indexer: Indexer | None  # full layers' own (its wk is in input_proj); shared layers reuse the selection
 
 
 @dataclass(frozen=True)
@@ -91,10 +73,9 @@ class GraphWeights:
             return "a LayerSplit stage (the graph needs the whole model)"
         if c.n_group > 1:
             return "grouped expert routing (n_group > 1)"
-        if c.n_routed_experts > DENSE_EXPERTS_MAX_RATIO * max(c.num_experts_per_tok, 1):
+        if c.n_routed_experts > DENSE_MAX_RATIO * max(c.num_experts_per_tok, 1):
             return f"{c.n_routed_experts} experts, top-{c.num_experts_per_tok} (dense experts would cost more than grouping)"
-        attn = [layer.self_attn for layer in _main_layers(model)]
-        if not all(a.absorbed.folds for a in attn):
+        if not all(layer.self_attn.absorbed.folds for _, layer in _numbered_layers(model)):
             return "attention projections too large to fold"
         return None
 
@@ -102,8 +83,9 @@ class GraphWeights:
     def of(cls, model: GlmForCausalLM) -> GraphWeights:
         # Plain tensors without autograd history, wherever this is called from (as FusedLinear's cache).
         with torch.inference_mode(False), torch.no_grad():
-            layers = tuple(_layer(i, layer) for i, layer in _numbered_layers(model))
-            sources = tuple(p for _, layer in _numbered_layers(model) for p in layer.parameters())
+            numbered = _numbered_layers(model)
+            layers = tuple(_layer(i, layer) for i, layer in numbered)
+            sources = tuple(p for _, layer in numbered for p in layer.parameters())
             sources += (model.model.embed_tokens.weight, model.model.norm.weight)
             return cls(model.model.embed_tokens.weight, layers, model.model.norm.weight, sources,
                        version_key(list(sources)))
@@ -113,33 +95,24 @@ def _numbered_layers(model: GlmForCausalLM):
     return [(i, model.model.layers[str(i)]) for i in model.layer_range]
 
 
-def _main_layers(model: GlmForCausalLM):
-    return [layer for _, layer in _numbered_layers(model)]
-
-
 def _layer(index: int, layer) -> LayerWeights:
     a: MLAttention = layer.self_attn
     query, output = a.absorbed._folded()
     parts = [a.q_a_proj.weight, a.kv_a_proj_with_mqa.weight]
-    indexer = None
     if a.indexer is not None:
-        ix = a.indexer
-        parts.append(ix.wk.weight)
-        indexer = IndexerWeights(ix.wq_b.weight, ix.k_norm.weight, ix.k_norm.bias, ix.weights_proj.weight)
+        parts.append(a.indexer.wk.weight)
     return LayerWeights(index, layer.input_layernorm.weight, torch.cat(parts), a.q_a_layernorm.weight,
                         a.kv_a_layernorm.weight, query, output, layer.post_attention_layernorm.weight,
-                        _mlp(layer.mlp), indexer)
+                        _mlp(layer.mlp), a.indexer)
 
 
 def _mlp(mlp) -> MlpWeights | MoeWeights:
     if isinstance(mlp, GatedMLP):
         return _dense(mlp)
     assert isinstance(mlp, MoE)
-    c = mlp.gate.config
     gate_up, down = mlp.experts.gate_up_proj, mlp.experts.down_proj  # [E, 2I, H], [E, H, I]
-    return MoeWeights(mlp.gate.weight.float(), mlp.gate.e_score_correction_bias.float(), gate_up.flatten(0, 1),
-                      down.permute(1, 0, 2).reshape(down.shape[1], -1).contiguous(), _dense(mlp.shared_experts), c.num_experts_per_tok, c.norm_topk_prob,
-                      c.routed_scaling_factor)
+    down_side_by_side = down.permute(1, 0, 2).reshape(down.shape[1], -1).contiguous()
+    return MoeWeights(mlp.gate, gate_up.flatten(0, 1), down_side_by_side, _dense(mlp.shared_experts))
 
 
 def _dense(mlp: GatedMLP) -> MlpWeights:

@@ -14,9 +14,13 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == self.weight.dtype == torch.float32:
-            # One fused op instead of six; equal to the path below within float rounding.
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        # Normalised in float32 by the fused op (bit-equal to x * rsqrt(mean(x^2) + eps) written out,
-        # in half the ops), then scaled in the input dtype.
-        return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.dtype == weight.dtype == torch.float32:
+        # One fused op instead of six; equal to the path below within float rounding.
+        return F.rms_norm(x, weight.shape, weight, eps)
+    # Normalised in float32 by the fused op (bit-equal to x * rsqrt(mean(x^2) + eps) written out,
+    # in half the ops), then scaled in the input dtype.
+    return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
