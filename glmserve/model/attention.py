@@ -179,7 +179,7 @@ class MLAttention(nn.Module):
         if ctx.cache is None:
             rows_of = flat_rows(new_kv[seq.start : seq.end])
         else:
-            rows_of = paged_rows(ctx.cache.latent_view(self.layer_idx), seq.block_table)
+            rows_of = paged_rows(ctx.cache.latent_view(self.layer_idx), seq.block_table, seq.context_len)
         q_lat = torch.einsum("shd,hdc->shc", q_nope, w[:, : self.nope_dim])
         query = torch.cat([q_lat, q_rot], dim=-1).mul_(self.scaling)
         lat_out = sparse_latent_attention(query, rows_of, topk, positions, self.latent_dim)

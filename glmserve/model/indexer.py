@@ -12,8 +12,9 @@ from torch import nn
 from glmserve.model.config import GlmConfig
 from glmserve.model.rope import apply_rope
 
-# Scores per query tile of the prefill selection ([tile, heads, T] fp32 temporaries): ~8 MiB.
-SELECT_TILE_VALUES = 1 << 21
+# Scores per query tile of the prefill selection ([tile, heads, T] fp32 temporaries): ~1 MiB, which
+# stays in a core's L2 between the product, the ReLU and the head sum (8 MiB tiles: 1.5x slower).
+SELECT_TILE_VALUES = 1 << 18
 
 
 class Indexer(nn.Module):
@@ -109,18 +110,27 @@ class Indexer(nn.Module):
 
 def top_k_earliest(flat: torch.Tensor, k: int) -> torch.Tensor:
     """[R, k] ascending positions of each row's k best scores, ties towards earlier positions."""
-    # torch.topk finds the k best (2-3x faster than kthvalue on CPU); only rows with more than k
-    # scores at or above the cut (ties there, frequent after the ReLU) need the earliest ties picked.
-    top = flat.topk(k, dim=-1, sorted=False)
+    # torch.topk finds the k best (2-3x faster than kthvalue on CPU, and on int32 1.5x faster than on
+    # float32); only rows with more than k scores at or above the cut (ties there, frequent after the
+    # ReLU) need the earliest ties picked.
+    keys = ordered_ints(flat) if flat.dtype == torch.float32 else flat
+    top = keys.topk(k, dim=-1, sorted=False)
     cut = top.values.min(-1, keepdim=True).values
     out = top.indices.sort(-1).values
-    tied_rows = ((flat >= cut).sum(-1) > k).nonzero()[:, 0]
+    tied_rows = ((keys >= cut).sum(-1) > k).nonzero()[:, 0]
     if tied_rows.numel():
-        rows, cuts = flat[tied_rows], cut[tied_rows]
+        rows, cuts = keys[tied_rows], cut[tied_rows]
         above, tied = rows > cuts, rows == cuts
         room = k - above.sum(-1, keepdim=True)
         out[tied_rows] = (above | (tied & (tied.cumsum(-1) <= room))).nonzero()[:, 1].view(-1, k)
     return out
+
+
+def ordered_ints(x: torch.Tensor) -> torch.Tensor:
+    """int32 keys of float32 values in the same order, equal exactly where the values are equal
+    (-0.0 and 0.0 included; no NaN expected): the sign bit set flips the other bits."""
+    bits = (x + 0.0).view(torch.int32)  # + 0.0 turns -0.0 into 0.0
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
 
 
 def causal_mask(positions: torch.Tensor, context_len: int) -> torch.Tensor:

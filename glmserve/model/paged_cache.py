@@ -63,11 +63,18 @@ class PagedKVCache:
     @staticmethod
     def gather_rows(view: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """Rows [*blocks.shape, width] of tokens (blocks[i], offsets[i]); only those rows are read."""
-        # Every row starts at a multiple of g in the buffer, so an overlapping [M, width] window view
-        # with row stride g addresses all of them, and index_select copies each row with one memcpy.
+        windows, index = PagedKVCache.row_index(view, blocks, offsets)
+        return windows.index_select(0, index.reshape(-1)).view(*blocks.shape, view.shape[2])
+
+    @staticmethod
+    def row_index(view: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(windows, index): an overlapping [M, width] view of the cache's storage, and the window
+        holding each token (blocks[i], offsets[i]); ``windows.index_select(0, index)`` copies each row
+        with one memcpy. Computed once, the index serves every later gather of those tokens."""
+        # Every row starts at a multiple of g in the buffer, so windows with row stride g address them all.
         width = view.shape[2]
         g = math.gcd(view.stride(0), view.stride(1), view.storage_offset())
         total = view.untyped_storage().nbytes() // view.element_size()
         windows = view.as_strided(((total - width) // g + 1, width), (g, 1), storage_offset=0)
         start = view.storage_offset() + blocks * view.stride(0) + offsets * view.stride(1)
-        return windows.index_select(0, (start // g).reshape(-1)).view(*blocks.shape, width)
+        return windows, start // g

@@ -27,10 +27,12 @@ DENSE_QUERY_TILE = 128
 RowSource = Callable[[torch.Tensor], torch.Tensor]  # positions [..., k] -> rows [..., k, width]
 
 
-def paged_rows(view: torch.Tensor, block_table: torch.Tensor) -> RowSource:
-    """Rows of one sequence's positions in a paged cache view (only the addressed rows are read)."""
-    block_size = view.shape[1]
-    return lambda pos: PagedKVCache.gather_rows(view, block_table[pos // block_size], pos % block_size)
+def paged_rows(view: torch.Tensor, block_table: torch.Tensor, length: int) -> RowSource:
+    """Rows of one sequence's first `length` positions in a paged cache view (only the addressed
+    rows are read). Where each position lives is looked up once, not in every query tile."""
+    positions = torch.arange(length, device=block_table.device)
+    windows, index = PagedKVCache.row_index(view, block_table[positions // view.shape[1]], positions % view.shape[1])
+    return lambda pos: windows.index_select(0, index[pos].reshape(-1)).view(*pos.shape, view.shape[2])
 
 
 def flat_rows(kv: torch.Tensor) -> RowSource:
@@ -51,10 +53,12 @@ def sparse_latent_attention(
     already scaled); selected [S, k] ascending positions (int64); positions [S] ascending. A selected
     position after its query (queries before position k select 0..k-1) is masked.
     """
-    s, heads, _ = query.shape
+    s, heads, width = query.shape
     k = selected.shape[-1]
-    out = query.new_empty(s, heads, latent_dim)
-    step = query_tile(k * max(query.shape[-1], heads))
+    # The output keeps the rope columns too: a product over the whole gathered rows costs less than
+    # copying their latent part out of them.
+    out = query.new_empty(s, heads, width)
+    step = query_tile(k * max(width, heads))
     for a in range(0, s, step):
         b = min(a + step, s)
         rows = rows_of(selected[a:b]).to(query.dtype)  # [tile, k, latent + rope]
@@ -63,8 +67,8 @@ def sparse_latent_attention(
             later = selected[a:b] > positions[a:b, None]
             scores.masked_fill_(later.unsqueeze(1), float("-inf"))
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
-        torch.bmm(probs, rows[..., :latent_dim], out=out[a:b])
-    return out
+        torch.bmm(probs, rows, out=out[a:b])
+    return out[..., :latent_dim]
 
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,

@@ -47,3 +47,17 @@ def test_queries_before_position_k_skip_the_search_and_select_the_same():
         scores = torch.relu(torch.randn(new, t, generator=g)).round(decimals=1)
         scores = scores.masked_fill(torch.arange(t) > positions[:, None], float("-inf"))
         assert torch.equal(indexer.select(scores, positions), indexer.select(scores))
+
+
+def test_negative_scores_and_signed_zeros_order_as_floats():
+    """The search runs on int32 keys of the float32 scores: negative scores (a head weight below zero)
+    keep their order, -0.0 ties with 0.0 (the earlier one wins), -inf stays last."""
+    scores = torch.tensor([[-1.0, -0.0, -3.0, 0.0, -2.0, float("-inf"), -0.5, 0.0]])
+    assert _indexer(2).select(scores).tolist() == [[1, 3]]  # -0.0 at 1 ties with the 0.0 at 3 and 7
+    assert _indexer(5).select(scores).tolist() == [[0, 1, 3, 6, 7]]
+    g = torch.Generator().manual_seed(2)
+    scores = (torch.randn(5, 64, generator=g) * 4).round() * torch.randn(5, 64, generator=g).sign()
+    scores[:, ::9] = -0.0
+    for k in (1, 7, 20):
+        top = scores.sort(descending=True, stable=True).indices[:, :k].sort().values
+        assert _indexer(k).select(scores).tolist() == top.tolist()
