@@ -71,6 +71,8 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", default=None,
                    help="the model_name label of this worker's metrics (default: the model directory's name)")
     p.add_argument("--kv-cache-bytes", type=int, default=None, help="KV cache size (engine default if absent)")
+    p.add_argument("--max-step-tokens", type=int, default=None,
+                   help="prompt tokens an engine step may compute (the chunked-prefill budget; engine default if absent)")
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
                    help="weights and KV cache: auto (bfloat16 where the CPU has bf16 instructions, else float32)")
     p.add_argument("--kvstore", default=None,
@@ -99,6 +101,7 @@ class WorkerConfig:
     transfer: str = "auto"
     metrics_port: int | None = None
     kv_cache_bytes: int | None = None
+    max_step_tokens: int | None = None  # the engine's chunked-prefill budget (None: its default)
     dtype: str = "auto"  # the model's and the KV cache's (`resolve_dtype`); prefill and decode must agree
     kvstore: str | None = None  # host:port: publish block events to its index, use its host tier
     revision: str | None = None  # explicit model revision for the prefix-cache key
@@ -124,6 +127,8 @@ class WorkerConfig:
             raise ValueError(f"dtype: must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
             raise ValueError(f"kv_cache_bytes: must be > 0, got {self.kv_cache_bytes}")
+        if self.max_step_tokens is not None and self.max_step_tokens < 1:
+            raise ValueError(f"max_step_tokens: must be >= 1, got {self.max_step_tokens}")
 
     @property
     def model_name(self) -> str:
@@ -134,6 +139,8 @@ class WorkerConfig:
         options: dict[str, int | bool | str] = {"dtype": self.dtype}
         if self.kv_cache_bytes is not None:
             options["kv_cache_bytes"] = self.kv_cache_bytes
+        if self.max_step_tokens is not None:
+            options["max_step_tokens"] = self.max_step_tokens
         if self.check_integrity:
             options["check_integrity"] = True
         if self.kvstore is not None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from glmserve.services.decode.main import DecodeConfig
+from glmserve.services.decode.main import DECODE_STEP_TOKENS, DecodeConfig
 from glmserve.services.prefill.main import PrefillConfig
 
 BASE = ["--model", "m", "--worker-id", "w"]
@@ -32,3 +32,13 @@ def test_layersplit_stage_flags() -> None:
                            (["--chunk-tokens", "0"], "chunk_tokens")]:
         with pytest.raises(ValueError, match=message):
             PrefillConfig.from_args([*base, *extra])
+
+
+def test_step_token_budget_is_short_on_decode_workers() -> None:
+    """A decode worker prefills its own prompts in short steps (DECODE_STEP_TOKENS), a prefill worker
+    takes the engine's default unless told; the flag is checked."""
+    assert DecodeConfig.from_args(BASE).engine_config()["max_step_tokens"] == DECODE_STEP_TOKENS
+    assert "max_step_tokens" not in PrefillConfig.from_args(BASE).engine_config()
+    assert PrefillConfig.from_args([*BASE, "--max-step-tokens", "1024"]).engine_config()["max_step_tokens"] == 1024
+    with pytest.raises(ValueError, match="max_step_tokens"):
+        DecodeConfig.from_args([*BASE, "--max-step-tokens", "0"])
