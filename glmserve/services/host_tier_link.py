@@ -274,6 +274,14 @@ class HostTierLink:
         if not dest:
             return 0
         assert self._client is not None
+        self._transfer.expect_writes(1)
+        try:
+            return await self._load_written(key, generation, hashes, dest)
+        finally:
+            self._transfer.expect_writes(-1)
+
+    async def _load_written(self, key: str, generation: int, hashes: list[bytes], dest: list[int]) -> int:
+        assert self._client is not None
         try:
             outcome = await self._client.host_load(self.worker_id, key, generation, hashes, dest,
                                                    timeout_s=self._load_timeout_s)

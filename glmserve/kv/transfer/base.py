@@ -13,6 +13,10 @@ Receiver (decode)
   ``completions() -> list[TransferStamp]``: stamps of writes that completed since the last call.
   A stamp arrives only after every byte of its write landed. Before using the blocks, check it
   with ``stamp.verify_stamp`` (request id, current generation, checksum).
+  ``expect_writes(delta)``: writes into this buffer are expected (``delta`` more, or fewer when
+  negative), from handing out blocks to write until the write is final or given up. A backend whose
+  receiver must progress the transport for a write to land (NIXL) progresses it often only while
+  some are expected; a write nobody announced still lands, later.
 
 Writer (prefill)
   ``connect(target_info, window=None) -> peer``: once per receiver and window; cached, so calling
@@ -164,6 +168,10 @@ class KVTransferBackend(ABC):
 
     @abstractmethod
     def completions(self) -> list[TransferStamp]: ...
+
+    def expect_writes(self, delta: int) -> None:
+        """See the module docstring (receiver); this default has nothing to progress."""
+        return None
 
     @abstractmethod
     def connect(self, target_info: bytes, window: BlockWindow | None = None) -> str: ...

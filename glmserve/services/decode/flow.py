@@ -144,17 +144,21 @@ class DecodeFlow:
         if self._timer is not None:
             self._timer.scheduled()
         arrival = ctx.arrivals.expect(self.request_id, self.generation)
-        call = asyncio.create_task(ctx.prefill.prefill(self._target, PrefillCall(
-            self.request_id, self.generation, self._prompt, self._params, ctx.target, dest,
-            ctx.transfer_kind, s.checksum, self.cache_salt), s.prefill_timeout_s))
-        await _first(call, self._aborted, s.prefill_timeout_s + 1.0)  # the call has its own deadline
-        if not call.done() or call.exception() is not None:
-            ctx.arrivals.forget(self.request_id, self.generation)
-            ended = self._abort_ended() or _ended_for(call, self._target)
-            await self._give_back(call, ended.error or ended.reason)
-            raise ended
-        answer = call.result()
-        await self._await_arrival(arrival)
+        ctx.transfer.expect_writes(1)  # until the write is final or given back
+        try:
+            call = asyncio.create_task(ctx.prefill.prefill(self._target, PrefillCall(
+                self.request_id, self.generation, self._prompt, self._params, ctx.target, dest,
+                ctx.transfer.kind, s.checksum, self.cache_salt), s.prefill_timeout_s))
+            await _first(call, self._aborted, s.prefill_timeout_s + 1.0)  # the call has its own deadline
+            if not call.done() or call.exception() is not None:
+                ctx.arrivals.forget(self.request_id, self.generation)
+                ended = self._abort_ended() or _ended_for(call, self._target)
+                await self._give_back(call, ended.error or ended.reason)
+                raise ended
+            answer = call.result()
+            await self._await_arrival(arrival)
+        finally:
+            ctx.transfer.expect_writes(-1)
         ctx.arrivals.forget(self.request_id, self.generation)
         if not arrival.done() or arrival.cancelled():
             ctx.release_now(self.key)  # the writer saw the write done: nothing more lands

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from glmserve.core.generation import SamplingParams, check_prompt
 from glmserve.engine.engine_stats import EngineLimits
-from glmserve.kv.transfer import TransferStamp
+from glmserve.kv.transfer import KVTransferBackend
 from glmserve.kv.transfer.timeouts import AGREED
 from glmserve.services.decode.arrivals import TransferArrivals
 from glmserve.services.decode.prefill_client import PrefillPort
@@ -43,10 +43,9 @@ class FlowContext:
     arrivals: TransferArrivals
     settings: DecodeSettings
     metrics: WorkerMetrics | None
-    target: bytes  # this worker's transfer target_info()
-    transfer_kind: str
+    transfer: KVTransferBackend  # this worker's (the receiving side)
+    target: bytes  # its target_info()
     limits: EngineLimits
-    completions: Callable[[], list[TransferStamp]]  # the receiving backend's
     quarantined: set[asyncio.TimerHandle] = field(default_factory=set)
 
     def validate(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
@@ -58,7 +57,7 @@ class FlowContext:
         Polled only by flows whose Prefill answered (the writer saw its write done, so the
         completion is there or about to be): no polling while prefills compute."""
         try:
-            stamps = self.completions()
+            stamps = self.transfer.completions()
         except Exception:  # the flow waiting for it times out if this persists
             log.exception("reading KV transfer completions failed")
             return

@@ -131,8 +131,8 @@ class DecodeWorker:
             await self._host_tier.start(buffer)
         self._context = FlowContext(
             engine=self._engine, prefill=self._prefill, arrivals=self._arrivals,
-            settings=self._settings, metrics=self.metrics, target=self._transfer.target_info(),
-            transfer_kind=self._transfer.kind, limits=limits, completions=self._transfer.completions,
+            settings=self._settings, metrics=self.metrics, transfer=self._transfer,
+            target=self._transfer.target_info(), limits=limits,
         )
 
     def health(self) -> WorkerHealth:

@@ -155,6 +155,7 @@ class HostTier:
             self._expire_locked()
             lease = self._ready_pool().begin_write(hashes, self._clock(), part)
             self._checked()
+            self.backend.expect_writes(1)  # until the lease ends (here or by expiry)
         self._publish("removed", lease.evicted)
         return lease
 
@@ -174,6 +175,7 @@ class HostTier:
                 pool.abort_write(lease_id)
                 hashes = []
             self._checked()
+            self.backend.expect_writes(-1)
         self._publish("stored", hashes)
         return len(hashes)
 
@@ -264,6 +266,8 @@ class HostTier:
         if self._pool is not None:
             done = self._pool.expire(self._clock())
             self._expired += len(done.reads) + len(done.writes)
+            if done.writes:
+                self.backend.expect_writes(-len(done.writes))
             self._checked()
 
     def _checked(self) -> None:

@@ -74,7 +74,7 @@ class ChunkSender:
 
 class ChunkReceiver:
     def __init__(self, index: int, slots: ActivationSlots, backend: KVTransferBackend) -> None:
-        self._index, self._slots = index, slots
+        self._index, self._slots, self._backend = index, slots, backend
         self._arrivals = StampWaiter(backend.completions)
 
     async def grant(self, granted: set[int], live: Callable[[], bool]) -> int:
@@ -84,6 +84,7 @@ class ChunkReceiver:
             self._slots.release(slot)
             raise ValueError("the job has ended on this stage")
         granted.add(slot)
+        self._backend.expect_writes(1)  # until the slot is taken or released
         return slot
 
     async def take(self, granted: set[int], request_id: str, generation: int, chunk: int, slot: int,
@@ -99,6 +100,7 @@ class ChunkReceiver:
         out = self._slots.unpack(slot, num_tokens, topk_width)
         granted.discard(slot)
         self._slots.release(slot)
+        self._backend.expect_writes(-1)
         return out
 
     def release_later(self, granted: set[int]) -> None:
@@ -111,3 +113,4 @@ class ChunkReceiver:
     def _release(self, slots: list[int]) -> None:
         for slot in slots:
             self._slots.release(slot)
+        self._backend.expect_writes(-len(slots))
