@@ -2,8 +2,11 @@
 
 Each step: every running request in decode gets its pending token plus its drafts verified; prefills
 (new or resumed) take what is left of the step's token budget in chunks, so a long prompt never stalls
-decoding. When blocks run out, the most recently arrived running request is preempted: its blocks are
-freed and it waits to be recomputed. Waiting requests are admitted by (priority, arrival).
+decoding. A waiting prompt that would not finish in a step that already computes another prompt waits
+for the next step: on a CPU its tokens cost the same then, and the other prompt's first token comes
+without waiting for them (prompts that fit still share a step). When blocks run out, the most
+recently arrived running request is preempted: its blocks are freed and it waits to be recomputed.
+Waiting requests are admitted by (priority, arrival).
 """
 
 from __future__ import annotations
@@ -85,6 +88,8 @@ class Scheduler:
             req = self._waiting[0][3]
             self.kv.match_prefix(req)
             n = self._tokens_wanted(req, budget)
+            if n < self._prompt_left(req) and any(not w.is_decode for w in work):
+                break  # it would only be started here: the next step, after this one's prompts
             if not self.kv.ensure(req, req.num_computed + n):
                 break  # no room: keep arrival order, try again next step
             heapq.heappop(self._waiting)
@@ -96,10 +101,16 @@ class Scheduler:
             budget -= n
         return work
 
+    @staticmethod
+    def _prompt_left(req: Request) -> int:
+        """Tokens still to compute before the request samples (0 once it decodes)."""
+        if not req.in_prefill:
+            return 0
+        return req.num_tokens - (1 if req.output_ids else 0) - req.num_computed
+
     def _tokens_wanted(self, req: Request, budget: int) -> int:
         if req.in_prefill:
-            end = req.num_tokens - (1 if req.output_ids else 0)
-            return min(end - req.num_computed, budget)
+            return min(self._prompt_left(req), budget)
         want = 1 + len(req.drafts)
         if want > budget:  # drafts are optional; the pending token is not
             req.drafts, req.draft_probs = [], None

@@ -52,6 +52,24 @@ def test_decodes_go_first_and_prefills_take_what_is_left():
     assert [(w.request.request_id, w.num_new, w.is_decode) for w in work] == [("old", 1, True), ("new", 9, False)]
 
 
+def test_a_prompt_that_would_not_finish_waits_for_a_step_of_its_own():
+    """Two 12-token prompts, budget 16: the first alone, then the second (not 12 + 4, then 8: the
+    first prompt's token would wait for 4 of the second's); prompts that fit share a step."""
+    s = _scheduler(max_step_tokens=16)
+    for rid in ("a", "b"):
+        s.add(_req(rid, 12))
+    steps = []
+    for _ in range(2):
+        work = s.schedule()
+        steps.append([(w.request.request_id, w.num_new) for w in work])
+        _run(work)
+    assert steps == [[("a", 12)], [("a", 1), ("b", 12)]]
+    s = _scheduler(max_step_tokens=16)
+    for rid in ("c", "d", "e"):
+        s.add(_req(rid, 5))
+    assert [(w.request.request_id, w.num_new) for w in s.schedule()] == [("c", 5), ("d", 5), ("e", 5)]
+
+
 def test_admission_follows_priority_then_arrival():
     s = _scheduler(max_step_tokens=3, max_num_seqs=1)
     for rid, prio, t in (("late", 0, 3.0), ("urgent", -1, 4.0), ("early", 0, 1.0)):
@@ -73,7 +91,7 @@ def test_out_of_blocks_preempts_the_latest_arrival_which_is_recomputed():
 
 
 def test_remove_frees_the_blocks_unless_they_are_kept():
-    s = _scheduler()
+    s = _scheduler(max_step_tokens=32)
     a, b = _req("a", 9), _req("b", 9)
     s.add(a), s.add(b)
     s.schedule()
