@@ -273,7 +273,6 @@ class HostTierLink:
         back, or quarantined until they are surely drained)."""
         if not dest:
             return 0
-        assert self._client is not None
         self._transfer.expect_writes(1)
         try:
             return await self._load_written(key, generation, hashes, dest)
