@@ -273,11 +273,8 @@ class HostTierLink:
         back, or quarantined until they are surely drained)."""
         if not dest:
             return 0
-        self._transfer.expect_writes(1)
-        try:
+        with self._transfer.expecting_writes():
             return await self._load_written(key, generation, hashes, dest)
-        finally:
-            self._transfer.expect_writes(-1)
 
     async def _load_written(self, key: str, generation: int, hashes: list[bytes], dest: list[int]) -> int:
         assert self._client is not None

@@ -16,7 +16,8 @@ Receiver (decode)
   ``expect_writes(delta)``: writes into this buffer are expected (``delta`` more, or fewer when
   negative), from handing out blocks to write until the write is final or given up. A backend whose
   receiver must progress the transport for a write to land (NIXL) progresses it often only while
-  some are expected; a write nobody announced still lands, later.
+  some are expected; a write nobody announced still lands, later. ``expecting_writes()``: one
+  expected write for the duration of a ``with`` block.
 
 Writer (prefill)
   ``connect(target_info, window=None) -> peer``: once per receiver and window; cached, so calling
@@ -47,7 +48,8 @@ import json
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
@@ -172,6 +174,15 @@ class KVTransferBackend(ABC):
     def expect_writes(self, delta: int) -> None:
         """See the module docstring (receiver); this default has nothing to progress."""
         return None
+
+    @contextmanager
+    def expecting_writes(self) -> Iterator[None]:
+        """One write into this receiver is expected while the block runs (``expect_writes``)."""
+        self.expect_writes(1)
+        try:
+            yield
+        finally:
+            self.expect_writes(-1)
 
     @abstractmethod
     def connect(self, target_info: bytes, window: BlockWindow | None = None) -> str: ...

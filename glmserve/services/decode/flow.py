@@ -144,8 +144,7 @@ class DecodeFlow:
         if self._timer is not None:
             self._timer.scheduled()
         arrival = ctx.arrivals.expect(self.request_id, self.generation)
-        ctx.transfer.expect_writes(1)  # until the write is final or given back
-        try:
+        with ctx.transfer.expecting_writes():  # until the write is final or given back
             call = asyncio.create_task(ctx.prefill.prefill(self._target, PrefillCall(
                 self.request_id, self.generation, self._prompt, self._params, ctx.target, dest,
                 ctx.transfer.kind, s.checksum, self.cache_salt), s.prefill_timeout_s))
@@ -157,8 +156,6 @@ class DecodeFlow:
                 raise ended
             answer = call.result()
             await self._await_arrival(arrival)
-        finally:
-            ctx.transfer.expect_writes(-1)
         ctx.arrivals.forget(self.request_id, self.generation)
         if not arrival.done() or arrival.cancelled():
             ctx.release_now(self.key)  # the writer saw the write done: nothing more lands
