@@ -5,6 +5,8 @@ new ones every round. In every round each variant runs `--steps` steps of every 
 rotating order, and the ratio to the defaults is taken within the round (this machine drifts 30-50%
 within seconds). The variants switch off one choice each:
 
+- weights unpacked: decode_forward's matmul weights as plain tensors, not prepacked for oneDNN
+  (PackedLinear; bfloat16 only, the same bits);
 - layer by layer: decode steps through the model's layers (`GlmForCausalLM.forward`), not the one
   function written for short-query batches (`decode_forward`); the choices below (marked +) are
   switched off on top of it, as they apply only there;
@@ -38,6 +40,7 @@ from bench.common import RunMonitor, markdown_table, print_header, rotated, setu
 from glmserve.engine.engine import Engine, EngineConfig  # noqa: E402
 from glmserve.model import attention, moe  # noqa: E402
 from glmserve.model.dtype_choice import resolve_dtype  # noqa: E402
+from glmserve.model.graph_weights import GraphWeights  # noqa: E402
 from glmserve.model.loader import load_model  # noqa: E402
 
 
@@ -89,6 +92,16 @@ def experts_grouped(model):
 
 
 @contextmanager
+def weights_unpacked(model):
+    saved = model._graph_weights
+    model._graph_weights = GraphWeights.of(model, prepack=False)
+    try:
+        yield
+    finally:
+        model._graph_weights = saved
+
+
+@contextmanager
 def layer_by_layer(model):
     model.decode_graph_enabled = False
     try:
@@ -97,7 +110,7 @@ def layer_by_layer(model):
         model.decode_graph_enabled = True
 
 
-SWITCHES = {"layer by layer": [layer_by_layer], "+ unfolded": [layer_by_layer, unfolded],
+SWITCHES = {"weights unpacked": [weights_unpacked], "layer by layer": [layer_by_layer], "+ unfolded": [layer_by_layer, unfolded],
             "+ indexer always": [layer_by_layer, indexer_always], "+ experts grouped": [layer_by_layer, experts_grouped],
             "all off": [layer_by_layer, unfolded, indexer_always, experts_grouped]}
 
@@ -124,6 +137,7 @@ def main(argv: list[str] | None = None) -> None:
     variants = {"defaults": [], **SWITCHES}
     steps_per_round = (args.steps + 1) * len(variants)
     engines = {}
+    model._graph_weights = GraphWeights.of(model)  # the defaults' weights, before any variant swaps them
     for b in args.batches:
         for c in args.contexts:
             cache_bytes = 2 * b * (c + steps_per_round + 16) * 3000

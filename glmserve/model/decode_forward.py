@@ -50,7 +50,7 @@ def decode_forward(
     x = F.embedding(input_ids.reshape(-1), w.embed)
     for layer in w.layers:
         h = rms_norm(x, layer.input_norm, eps)
-        fused = F.linear(h, layer.input_proj)
+        fused = layer.input_proj(h)
         q_resid = rms_norm(fused[:, : config.q_lora_rank], layer.q_norm, eps)
         kv_a = fused[:, config.q_lora_rank :]
         new_kv = torch.cat([rms_norm(kv_a[:, :latent], layer.kv_norm, eps), apply_rope(kv_a[:, latent:kv_end], cos, sin)],
@@ -61,11 +61,11 @@ def decode_forward(
             PagedKVCache.write_at(cache.index_key_view(layer.index), rows, keys)
             if use_index:
                 selected = _select(layer, h, q_resid, cache, tables, positions, cos, sin)
-        query = F.linear(q_resid, layer.query).view(b, s, config.num_attention_heads, -1)
+        query = layer.query(q_resid).view(b, s, config.num_attention_heads, -1)
         query = torch.cat([query[..., :latent], apply_rope(query[..., latent:], cos.view(b, s, -1), sin.view(b, s, -1))],
                           dim=-1)
         lat_out = attend_selected(query, cache.latent_view(layer.index), tables, positions, selected, None, latent)
-        x = x + F.linear(lat_out.reshape(b * s, -1), layer.output)
+        x = x + layer.output(lat_out.reshape(b * s, -1))
         h = rms_norm(x, layer.post_norm, eps)
         x = x + (_moe(h, layer.mlp) if isinstance(layer.mlp, MoeWeights) else _mlp(h, layer.mlp))
     return rms_norm(x, w.norm, eps)
@@ -81,8 +81,8 @@ def _select(layer: LayerWeights, h, q_resid, cache: PagedKVCache, tables, positi
 
 
 def _mlp(h: torch.Tensor, w: MlpWeights) -> torch.Tensor:
-    gate, up = F.linear(h, w.gate_up).chunk(2, dim=-1)
-    return F.linear(silu_mul(gate, up), w.down)
+    gate, up = w.gate_up(h).chunk(2, dim=-1)
+    return w.down(silu_mul(gate, up))
 
 
 def _moe(h: torch.Tensor, w: MoeWeights) -> torch.Tensor:
@@ -92,6 +92,6 @@ def _moe(h: torch.Tensor, w: MoeWeights) -> torch.Tensor:
     _, weights, chosen = w.router(h)
     routing = torch.zeros(h.shape[0], w.router.config.n_routed_experts).scatter_(1, chosen, weights)  # [N, E] fp32
     n, e = routing.shape
-    gate, up = F.linear(h, w.experts_gate_up).view(n, e, -1).chunk(2, dim=-1)  # [N, E, I] each
+    gate, up = w.experts_gate_up(h).view(n, e, -1).chunk(2, dim=-1)  # [N, E, I] each
     act = (silu_mul(gate, up).float() * routing.unsqueeze(-1)).to(h.dtype)
-    return F.linear(act.view(n, -1), w.experts_down) + _mlp(h, w.shared)
+    return w.experts_down(act.view(n, -1)) + _mlp(h, w.shared)

@@ -143,7 +143,7 @@ class GlmForCausalLM(nn.Module):
             self._graph_weights = GraphWeights.of(self)
         cos, sin = self.rope.cos_sin(positions.reshape(-1), self.dtype)
         normed = decode_forward(self._graph_weights, self.config, cache, input_ids, positions, tables, cos, sin)
-        return self.logits(normed).float(), normed
+        return self._graph_weights.head(normed).float(), normed
 
     def mtp_step(
         self, ctx: ForwardContext, prev_hidden: torch.Tensor, topk_in: list[torch.Tensor] | None = None

@@ -3,7 +3,7 @@
 Plain tensors, so the decode pass makes no module calls and checks no per-layer caches: the model's
 own parameters, or for the fused and folded projections the same caches the layers build
 (FusedLinear's concatenation, AbsorbedProjections' folded query and output), so both paths compute
-with exactly those weights. `GlmForCausalLM.decode` takes them again when `stale` (a main-layer
+with exactly those weights; matmul weights as PackedLinear (the same bits, laid out once for oneDNN). `GlmForCausalLM.decode` takes them again when `stale` (a main-layer
 parameter changed in place or its storage changed; a layer module replaced after the first
 decode is not seen).
 """
@@ -20,21 +20,22 @@ from glmserve.model.fused_linear import version_key
 from glmserve.model.indexer import Indexer
 from glmserve.model.mlp import GatedMLP
 from glmserve.model.moe import DENSE_MAX_RATIO, MoE, TopkRouter
+from glmserve.model.packed_linear import PackedLinear
 
 if TYPE_CHECKING:
     from glmserve.model.glm_model import GlmForCausalLM
 
 @dataclass(frozen=True)
 class MlpWeights:
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]: gate rows, then up rows
-    down: torch.Tensor  # [hidden, intermediate]
+    gate_up: PackedLinear  # [2 * intermediate, hidden]: gate rows, then up rows
+    down: PackedLinear  # [hidden, intermediate]
 
 
 @dataclass(frozen=True)
 class MoeWeights:
     router: TopkRouter  # the layer's own router (routing is a few small ops, no weights to rearrange)
-    experts_gate_up: torch.Tensor  # [E * 2 * intermediate, hidden]: every expert's gate rows then up rows
-    experts_down: torch.Tensor  # [hidden, E * intermediate]: every expert's down projection side by side
+    experts_gate_up: PackedLinear  # [E * 2 * intermediate, hidden]: every expert's gate rows then up rows
+    experts_down: PackedLinear  # [hidden, E * intermediate]: every expert's down projection side by side
     shared: MlpWeights
 
 
@@ -42,11 +43,11 @@ class MoeWeights:
 class LayerWeights:
     index: int  # the layer's number: where its KV lives in a cache layout
     input_norm: torch.Tensor
-    input_proj: torch.Tensor  # q_a_proj and kv_a_proj_with_mqa (and the indexer's wk), one matmul
+    input_proj: PackedLinear  # q_a_proj and kv_a_proj_with_mqa (and the indexer's wk), one matmul
     q_norm: torch.Tensor
     kv_norm: torch.Tensor
-    query: torch.Tensor  # folded W_q [H * (latent + rope), q_lora_rank], scale included
-    output: torch.Tensor  # folded W_o [hidden, H * latent]
+    query: PackedLinear  # folded W_q [H * (latent + rope), q_lora_rank], scale included
+    output: PackedLinear  # folded W_o [hidden, H * latent]
     post_norm: torch.Tensor
     mlp: MlpWeights | MoeWeights
     indexer: Indexer | None  # full layers' own (its wk is in input_proj); shared layers reuse the selection
@@ -57,6 +58,7 @@ class GraphWeights:
     embed: torch.Tensor
     layers: tuple[LayerWeights, ...]
     norm: torch.Tensor
+    head: PackedLinear  # the LM head
     sources: tuple[torch.Tensor, ...]  # the main layers' parameters these were taken from
     key: tuple  # their version_key when taken
 
@@ -80,40 +82,44 @@ class GraphWeights:
         return None
 
     @classmethod
-    def of(cls, model: GlmForCausalLM) -> GraphWeights:
+    def of(cls, model: GlmForCausalLM, prepack: bool = True) -> GraphWeights:
+        """`prepack`: matmul weights in oneDNN's layout where that computes the same bits (PackedLinear)."""
         # Plain tensors without autograd history, wherever this is called from (as FusedLinear's cache).
         with torch.inference_mode(False), torch.no_grad():
             numbered = _numbered_layers(model)
-            layers = tuple(_layer(i, layer) for i, layer in numbered)
+            layers = tuple(_layer(i, layer, prepack) for i, layer in numbered)
             sources = tuple(p for _, layer in numbered for p in layer.parameters())
-            sources += (model.model.embed_tokens.weight, model.model.norm.weight)
-            return cls(model.model.embed_tokens.weight, layers, model.model.norm.weight, sources,
-                       version_key(list(sources)))
+            sources += (model.model.embed_tokens.weight, model.model.norm.weight, model.lm_head.weight)
+            return cls(model.model.embed_tokens.weight, layers, model.model.norm.weight,
+                       PackedLinear.of(model.lm_head.weight, prepack), sources, version_key(list(sources)))
 
 
 def _numbered_layers(model: GlmForCausalLM):
     return [(i, model.model.layers[str(i)]) for i in model.layer_range]
 
 
-def _layer(index: int, layer) -> LayerWeights:
+def _layer(index: int, layer, prepack: bool) -> LayerWeights:
     a: MLAttention = layer.self_attn
     query, output = a.absorbed._folded()
     parts = [a.q_a_proj.weight, a.kv_a_proj_with_mqa.weight]
     if a.indexer is not None:
         parts.append(a.indexer.wk.weight)
-    return LayerWeights(index, layer.input_layernorm.weight, torch.cat(parts), a.q_a_layernorm.weight,
-                        a.kv_a_layernorm.weight, query, output, layer.post_attention_layernorm.weight,
-                        _mlp(layer.mlp), a.indexer)
+    return LayerWeights(index, layer.input_layernorm.weight, PackedLinear.of(torch.cat(parts), prepack),
+                        a.q_a_layernorm.weight, a.kv_a_layernorm.weight, PackedLinear.of(query, prepack),
+                        PackedLinear.of(output, prepack), layer.post_attention_layernorm.weight,
+                        _mlp(layer.mlp, prepack), a.indexer)
 
 
-def _mlp(mlp) -> MlpWeights | MoeWeights:
+def _mlp(mlp, prepack: bool) -> MlpWeights | MoeWeights:
     if isinstance(mlp, GatedMLP):
-        return _dense(mlp)
+        return _dense(mlp, prepack)
     assert isinstance(mlp, MoE)
     gate_up, down = mlp.experts.gate_up_proj, mlp.experts.down_proj  # [E, 2I, H], [E, H, I]
     down_side_by_side = down.permute(1, 0, 2).reshape(down.shape[1], -1).contiguous()
-    return MoeWeights(mlp.gate, gate_up.flatten(0, 1), down_side_by_side, _dense(mlp.shared_experts))
+    return MoeWeights(mlp.gate, PackedLinear.of(gate_up.flatten(0, 1), prepack),
+                      PackedLinear.of(down_side_by_side, prepack), _dense(mlp.shared_experts, prepack))
 
 
-def _dense(mlp: GatedMLP) -> MlpWeights:
-    return MlpWeights(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), mlp.down_proj.weight)
+def _dense(mlp: GatedMLP, prepack: bool) -> MlpWeights:
+    return MlpWeights(PackedLinear.of(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), prepack),
+                      PackedLinear.of(mlp.down_proj.weight, prepack))

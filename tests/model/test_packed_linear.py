@@ -1,0 +1,52 @@
+"""PackedLinear computes the same bits as F.linear; decode_forward with prepacked weights equals it without."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_decode_forward import BLOCK, NUM_BLOCKS, _model, _prompt
+
+from glmserve.model.forward_batch import ForwardBatch
+from glmserve.model.graph_weights import GraphWeights
+from glmserve.model.kv_layout import KVLayout
+from glmserve.model.packed_linear import PackedLinear
+from glmserve.model.paged_cache import PagedKVCache
+
+BF16_PACKS = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+@pytest.mark.parametrize("rows", [1, 8, 33, 300])
+def test_packed_bfloat16_linear_equals_f_linear_bit_for_bit(rows):
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(96, 80, generator=gen).bfloat16()
+    x = torch.randn(rows, 100, generator=gen).bfloat16()[:, 10:90]  # a strided view, as the decode pass slices
+    linear = PackedLinear.of(weight)
+    assert (linear.packed is not None) == BF16_PACKS
+    assert torch.equal(linear(x), F.linear(x, weight))
+    assert torch.equal(linear(x.view(1, rows, 80)), F.linear(x, weight).view(1, rows, 96))
+
+
+def test_float32_and_unpacked_weights_run_f_linear():
+    weight = torch.randn(16, 8)
+    assert PackedLinear.of(weight).packed is None
+    assert PackedLinear.of(weight.bfloat16(), prepack=False).packed is None
+    x = torch.randn(3, 8)
+    assert torch.equal(PackedLinear.of(weight)(x), F.linear(x, weight))
+
+
+def test_bfloat16_decode_is_the_same_with_and_without_prepacked_weights():
+    model = _model("glm52_schedule").to(torch.bfloat16)
+    logits = []
+    for prepack in (True, False):
+        layout = KVLayout.for_config(model.config, block_size=BLOCK, dtype=torch.bfloat16, with_mtp=False)
+        cache = PagedKVCache(layout, num_blocks=NUM_BLOCKS)
+        lengths = [9, 70]
+        tables = [list(range(i, NUM_BLOCKS, 2)) for i in range(2)]
+        model._graph_weights = GraphWeights.of(model, prepack=prepack)
+        with torch.inference_mode():
+            model.forward_logits(ForwardBatch.build([_prompt(k, seed=k) for k in lengths], [0, 0], tables, BLOCK), cache)
+            step = ForwardBatch.build([[5], [6]], lengths, tables, BLOCK)
+            assert model.decodes(step)
+            logits.append(model.forward_logits(step, cache))
+    assert torch.equal(logits[0], logits[1])
