@@ -296,14 +296,27 @@ def attend_selected(query: torch.Tensor, view: torch.Tensor, tables: torch.Tenso
     [B, S] over the selected positions [B, S, K] of a layer's latent `view`, through block `tables`
     [B, W]; `valid` [B, S, K] marks padding in the selection (None: none). Only the selected rows are
     read, never a sequence's whole context."""
-    b = tables.shape[0]
-    block_size = view.shape[1]
+    return attend_rows(query, view, *selected_rows(view, tables, positions, selected, valid), latent_dim)
+
+
+def selected_rows(view: torch.Tensor, tables: torch.Tensor, positions: torch.Tensor, selected: torch.Tensor,
+                  valid: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(where, allowed): each selected position's row in the cache (PagedKVCache.token_offsets, the
+    same in every layer's view) and [B, S, 1, K] whether its query may attend it. Layers that share a
+    selection share these."""
+    b, block_size = tables.shape[0], view.shape[1]
     blocks = tables.gather(1, (selected // block_size).reshape(b, -1)).view(selected.shape)
-    rows = PagedKVCache.gather_rows(view, blocks, selected % block_size).to(query.dtype)
     allowed = selected <= positions.unsqueeze(-1)
     if valid is not None:
         allowed &= valid
-    probs = masked_softmax(torch.matmul(query, rows.transpose(-1, -2)), allowed.unsqueeze(2), query.dtype)
+    return PagedKVCache.token_offsets(view, blocks, selected % block_size), allowed.unsqueeze(2)
+
+
+def attend_rows(query: torch.Tensor, view: torch.Tensor, where: torch.Tensor, allowed: torch.Tensor,
+                latent_dim: int) -> torch.Tensor:
+    """attend_selected over rows located by `selected_rows`."""
+    rows = PagedKVCache.rows_at(view, where).to(query.dtype)
+    probs = masked_softmax(torch.matmul(query, rows.transpose(-1, -2)), allowed, query.dtype)
     # The value product runs over the whole rows (rope columns included): slicing them first would copy them.
     return torch.matmul(probs, rows)[..., :latent_dim]
 

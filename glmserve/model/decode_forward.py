@@ -2,12 +2,13 @@
 
 Decode (S = 1) and MTP verification (S = k + 1) give every sequence the same few queries, so the whole
 pass is batched tensor ops: no Python per sequence, no decode groups or per-sequence top-k lists,
-routed experts run densely, the new tokens' cache rows found once. On the bundled model, where a
+routed experts run densely (with the shared expert, one gated MLP), the new tokens' cache rows and
+each selection's rows found once. On the bundled model, where a
 decode step is per-op overhead, that is 0.7-0.9x the time of the same step through the layers
 (`GlmForCausalLM.forward`; bench/bench_decode_choices.py).
 
 It computes what the layers compute, with their pieces where the result could differ (the same fused
-and folded weights, the layer's Indexer and router, `attend_selected`, `rms_norm`), so decode and
+and folded weights, the layer's Indexer and router, attention's `attend_rows`, `rms_norm`), so decode and
 verification steps agree with each other and with `forward` to float rounding; attention reads only
 the selected rows (all of them while the context is within index_topk), through the block tables.
 """
@@ -17,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from glmserve.model.attention import attend_selected
+from glmserve.model.attention import attend_rows, selected_rows
 from glmserve.model.config import GlmConfig
 from glmserve.model.graph_weights import GraphWeights, LayerWeights, MlpWeights, MoeWeights
 from glmserve.model.mlp import silu_mul
@@ -48,6 +49,7 @@ def decode_forward(
     rows = (tables.gather(1, positions // block_size).reshape(-1), (positions % block_size).reshape(-1))
     latent, kv_end = config.kv_lora_rank, config.kv_lora_rank + config.qk_rope_head_dim
     x = F.embedding(input_ids.reshape(-1), w.embed)
+    located = None  # (selection, its rows, allowed): layers that share a selection share where its rows are
     for layer in w.layers:
         h = rms_norm(x, layer.input_norm, eps)
         fused = layer.input_proj(h)
@@ -64,7 +66,10 @@ def decode_forward(
         query = layer.query(q_resid).view(b, s, config.num_attention_heads, -1)
         query = torch.cat([query[..., :latent], apply_rope(query[..., latent:], cos.view(b, s, -1), sin.view(b, s, -1))],
                           dim=-1)
-        lat_out = attend_selected(query, cache.latent_view(layer.index), tables, positions, selected, None, latent)
+        view = cache.latent_view(layer.index)
+        if located is None or located[0] is not selected:  # a new selection: find its rows once
+            located = (selected, *selected_rows(view, tables, positions, selected, None))
+        lat_out = attend_rows(query, view, *located[1:], latent)
         x = x + layer.output(lat_out.reshape(b * s, -1))
         h = rms_norm(x, layer.post_norm, eps)
         x = x + (_moe(h, layer.mlp) if isinstance(layer.mlp, MoeWeights) else _mlp(h, layer.mlp))
@@ -86,12 +91,12 @@ def _mlp(h: torch.Tensor, w: MlpWeights) -> torch.Tensor:
 
 
 def _moe(h: torch.Tensor, w: MoeWeights) -> torch.Tensor:
-    """The router, every token through every routed expert (two matmuls over all experts' weights side
-    by side; each token's activations weighted by its router weight, 0 for the experts it did not
-    choose, so the down projection also sums the experts), and the shared expert: what `MoE` computes."""
+    """The router, then every token through every routed expert and the shared expert as one gated MLP
+    (two matmuls): each token's routed activations weighted by its router weight, 0 for the experts it
+    did not choose, so the down projection sums the experts and the shared one: what `MoE` computes."""
     _, weights, chosen = w.router(h)
     routing = torch.zeros(h.shape[0], w.router.config.n_routed_experts).scatter_(1, chosen, weights)  # [N, E] fp32
-    n, e = routing.shape
-    gate, up = w.experts_gate_up(h).view(n, e, -1).chunk(2, dim=-1)  # [N, E, I] each
-    act = (silu_mul(gate, up).float() * routing.unsqueeze(-1)).to(h.dtype)
-    return w.experts_down(act.view(n, -1)) + _mlp(h, w.shared)
+    gate, up = w.gate_up(h).chunk(2, dim=-1)
+    act = silu_mul(gate, up)  # [N, E * I + I_shared]
+    act[:, : w.routed_width].view(*routing.shape, -1).mul_(routing.unsqueeze(-1))  # in float32, rounded once
+    return w.down(act)

@@ -33,10 +33,11 @@ class MlpWeights:
 
 @dataclass(frozen=True)
 class MoeWeights:
+    """Every routed expert and the shared expert as one gated MLP of E * I + I_shared columns."""
     router: TopkRouter  # the layer's own router (routing is a few small ops, no weights to rearrange)
-    experts_gate_up: PackedLinear  # [E * 2 * intermediate, hidden]: every expert's gate rows then up rows
-    experts_down: PackedLinear  # [hidden, E * intermediate]: every expert's down projection side by side
-    shared: MlpWeights
+    gate_up: PackedLinear  # [2 * (E * I + I_shared), hidden]: the experts' gate rows and the shared one's, then the up rows
+    down: PackedLinear  # [hidden, E * I + I_shared]: every expert's down projection side by side, the shared one's last
+    routed_width: int  # E * I: the columns the router weighs (the shared expert's weigh 1)
 
 
 @dataclass(frozen=True)
@@ -115,9 +116,13 @@ def _mlp(mlp, prepack: bool) -> MlpWeights | MoeWeights:
         return _dense(mlp, prepack)
     assert isinstance(mlp, MoE)
     gate_up, down = mlp.experts.gate_up_proj, mlp.experts.down_proj  # [E, 2I, H], [E, H, I]
-    down_side_by_side = down.permute(1, 0, 2).reshape(down.shape[1], -1).contiguous()
-    return MoeWeights(mlp.gate, PackedLinear.of(gate_up.flatten(0, 1), prepack),
-                      PackedLinear.of(down_side_by_side, prepack), _dense(mlp.shared_experts, prepack))
+    e, i = gate_up.shape[0], gate_up.shape[1] // 2
+    shared = mlp.shared_experts
+    gates = torch.cat([gate_up[:, :i].flatten(0, 1), shared.gate_proj.weight])
+    ups = torch.cat([gate_up[:, i:].flatten(0, 1), shared.up_proj.weight])
+    downs = torch.cat([down.permute(1, 0, 2).flatten(1), shared.down_proj.weight], dim=1)
+    return MoeWeights(mlp.gate, PackedLinear.of(torch.cat([gates, ups]), prepack),
+                      PackedLinear.of(downs.contiguous(), prepack), e * i)
 
 
 def _dense(mlp: GatedMLP, prepack: bool) -> MlpWeights:

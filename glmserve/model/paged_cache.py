@@ -63,18 +63,34 @@ class PagedKVCache:
     @staticmethod
     def gather_rows(view: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """Rows [*blocks.shape, width] of tokens (blocks[i], offsets[i]); only those rows are read."""
-        windows, index = PagedKVCache.row_index(view, blocks, offsets)
-        return windows.index_select(0, index.reshape(-1)).view(*blocks.shape, view.shape[2])
+        return PagedKVCache.rows_at(view, PagedKVCache.token_offsets(view, blocks, offsets))
+
+    @staticmethod
+    def token_offsets(view: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """Where tokens (blocks[i], offsets[i]) start, in elements from the view's first row: the same
+        in every layer's view of one cache (they differ only in where they start)."""
+        return blocks * view.stride(0) + offsets * view.stride(1)
+
+    @staticmethod
+    def rows_at(view: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
+        """Rows [*where.shape, width] of the tokens at `token_offsets` `where`, each copied with one memcpy."""
+        windows, g = PagedKVCache._windows(view)
+        index = (where + view.storage_offset()) // g
+        return windows.index_select(0, index.reshape(-1)).view(*where.shape, view.shape[2])
 
     @staticmethod
     def row_index(view: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(windows, index): an overlapping [M, width] view of the cache's storage, and the window
         holding each token (blocks[i], offsets[i]); ``windows.index_select(0, index)`` copies each row
         with one memcpy. Computed once, the index serves every later gather of those tokens."""
-        # Every row starts at a multiple of g in the buffer, so windows with row stride g address them all.
+        windows, g = PagedKVCache._windows(view)
+        return windows, (view.storage_offset() + PagedKVCache.token_offsets(view, blocks, offsets)) // g
+
+    @staticmethod
+    def _windows(view: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """(windows, g): [M, width] rows starting every g elements of the storage, g such that every
+        row of `view` starts at one of them."""
         width = view.shape[2]
         g = math.gcd(view.stride(0), view.stride(1), view.storage_offset())
         total = view.untyped_storage().nbytes() // view.element_size()
-        windows = view.as_strided(((total - width) // g + 1, width), (g, 1), storage_offset=0)
-        start = view.storage_offset() + blocks * view.stride(0) + offsets * view.stride(1)
-        return windows, start // g
+        return view.as_strided(((total - width) // g + 1, width), (g, 1), storage_offset=0), g
