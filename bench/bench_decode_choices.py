@@ -6,7 +6,7 @@ rotating order, and the ratio to the defaults is taken within the round (this ma
 within seconds). The variants switch off one choice each:
 
 - weights unpacked: decode_forward's matmul weights as plain tensors, not prepacked for oneDNN
-  (PackedLinear; bfloat16 only, the same bits);
+  (PackedLinear; F.linear instead: oneDNN reordering the weight at every call in bfloat16, MKL in float32);
 - layer by layer: decode steps through the model's layers (`GlmForCausalLM.forward`), not the one
   function written for short-query batches (`decode_forward`); the choices below (marked +) are
   switched off on top of it, as they apply only there;

@@ -1,6 +1,9 @@
-"""PackedLinear computes the same bits as F.linear; decode_forward with prepacked weights equals it without."""
+"""PackedLinear: bfloat16 computes the same bits as F.linear, float32 the same values to rounding and the same
+bits for a row however many rows a call has; decode_forward with prepacked weights equals it without."""
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -27,12 +30,25 @@ def test_packed_bfloat16_linear_equals_f_linear_bit_for_bit(rows):
     assert torch.equal(linear(x.view(1, rows, 80)), F.linear(x, weight).view(1, rows, 96))
 
 
-def test_float32_and_unpacked_weights_run_f_linear():
+def test_unpacked_weights_run_f_linear():
     weight = torch.randn(16, 8)
-    assert PackedLinear.of(weight).packed is None
+    assert PackedLinear.of(weight, prepack=False).packed is None
     assert PackedLinear.of(weight.bfloat16(), prepack=False).packed is None
     x = torch.randn(3, 8)
-    assert torch.equal(PackedLinear.of(weight)(x), F.linear(x, weight))
+    assert torch.equal(PackedLinear.of(weight, prepack=False)(x), F.linear(x, weight))
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN")
+def test_packed_float32_rows_do_not_depend_on_the_batch():
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(2304, 256, generator=gen)
+    x = torch.randn(40, 256, generator=gen)
+    linear = PackedLinear.of(weight)
+    assert linear.packed is not None
+    whole = linear(x)
+    torch.testing.assert_close(whole, F.linear(x, weight), rtol=1e-5, atol=1e-4)
+    for rows in (1, 8, 9, 33):  # a decode step, a verification step, a row alone
+        assert torch.equal(torch.cat([linear(part) for part in x.split(rows)]), whole)
 
 
 def test_bfloat16_decode_is_the_same_with_and_without_prepacked_weights():
@@ -50,3 +66,14 @@ def test_bfloat16_decode_is_the_same_with_and_without_prepacked_weights():
             assert model.decodes(step)
             logits.append(model.forward_logits(step, cache))
     assert torch.equal(logits[0], logits[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_deep_copy_packs_its_own_weight(dtype):
+    weight = torch.randn(32, 16).to(dtype)
+    linear = PackedLinear.of(weight)
+    copied = copy.deepcopy(linear)
+    assert copied.weight is not linear.weight and torch.equal(copied.weight, weight)
+    assert (copied.packed is None) == (linear.packed is None)
+    x = torch.randn(5, 16).to(dtype)
+    assert torch.equal(copied(x), linear(x))
