@@ -15,8 +15,10 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-# The GEMM kernels every matmul, linear and einsum ends in on CPU, and how to rebuild their operands.
-GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
+# The GEMM kernels every matmul, linear and einsum ends in on CPU, and how to rebuild their operands;
+# PACKED_LINEAR is PackedLinear's oneDNN product on a prepacked weight (recorded as [in, out]).
+PACKED_LINEAR = "mkldnn::_linear_pointwise"
+GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", PACKED_LINEAR)
 
 
 @dataclass(frozen=True)
@@ -39,10 +41,16 @@ def record(fn: Callable[[], Any]) -> tuple[Any, list[Gemm], Any]:
     gemms = []
     for event in prof.events():
         if event.name in GEMM_OPS and _no_gemm_parent(event):
-            shapes = tuple(tuple(s) for s in event.input_shapes if s)
-            gemms.append(Gemm(event.name, shapes[-3:] if event.name in ("aten::addmm", "aten::baddbmm") else shapes[:2],
-                              _dtype(event)))
+            gemms.append(Gemm(event.name, _operand_shapes(event), _dtype(event)))
     return result, gemms, prof
+
+
+def _operand_shapes(event) -> tuple[tuple[int, ...], ...]:
+    shapes = tuple(tuple(s) for s in event.input_shapes if s)
+    if event.name == PACKED_LINEAR:
+        x, (out_features, in_features) = shapes[0], shapes[1]
+        return (x, (in_features, out_features))
+    return shapes[-3:] if event.name in ("aten::addmm", "aten::baddbmm") else shapes[:2]
 
 
 def _no_gemm_parent(event) -> bool:
@@ -56,7 +64,7 @@ def _no_gemm_parent(event) -> bool:
 
 def _dtype(event) -> str:
     types = [t for t in getattr(event, "input_types", []) if t]
-    return types[-1] if types else "float"
+    return types[0] if types else "float"
 
 
 DTYPES = {"float": torch.float32, "c10::BFloat16": torch.bfloat16, "c10::Half": torch.float16}
@@ -71,12 +79,16 @@ def replay_fn(gemms: list[Gemm]) -> Callable[[], None]:
         key = (g.op, g.shapes, dtype)
         if key not in made:
             operands = [torch.randn(s, dtype=dtype) for s in g.shapes]
+            if g.op == PACKED_LINEAR:
+                operands[1] = torch.ops.mkldnn._reorder_linear_weight(operands[1].t().contiguous(), None)
             made[key] = (g.op, operands, torch.empty(*g.shapes[-2][:-1], g.shapes[-1][-1], dtype=dtype))
         calls.append(made[key])
 
     def run() -> None:
         for op, operands, out in calls:
-            if op in ("aten::mm", "aten::bmm"):
+            if op == PACKED_LINEAR:
+                torch.ops.mkldnn._linear_pointwise(*operands, None, "none", [], "")
+            elif op in ("aten::mm", "aten::bmm"):
                 (torch.mm if op == "aten::mm" else torch.bmm)(*operands, out=out)
             else:
                 (torch.addmm if op == "aten::addmm" else torch.baddbmm)(*operands, out=out)
@@ -104,5 +116,5 @@ def op_count(prof) -> int:
 
 
 def gemm_summary(gemms: list[Gemm]) -> str:
-    kinds = Counter(g.op.removeprefix("aten::") for g in gemms)
+    kinds = Counter(g.op.split("::")[-1] for g in gemms)
     return ", ".join(f"{n} {k}" for k, n in kinds.most_common())
