@@ -23,6 +23,8 @@ from glmserve.model.paged_cache import PagedKVCache
 TILE_VALUES = 1 << 20
 # Queries per call of the fused kernel in dense prefill.
 DENSE_QUERY_TILE = 128
+# Queries per call of the fused kernel in sparse prefill, at most (fewer where their rows exceed TILE_VALUES).
+SPARSE_QUERY_TILE = 16
 
 RowSource = Callable[[torch.Tensor], torch.Tensor]  # positions [..., k] -> rows [..., k, width]
 
@@ -52,22 +54,25 @@ def sparse_latent_attention(
     query [S, H, latent + rope] (q_nope absorbed through kv_b_proj, joined with the rotated part and
     already scaled); selected [S, k] ascending positions (int64); positions [S] ascending. A selected
     position after its query (queries before position k select 0..k-1) is masked.
+
+    Each query's H heads attend its k rows as H queries of one shared key/value head, in PyTorch's
+    fused kernel (no [tile, H, k] scores or bf16-rounded probabilities); tiles of a few queries keep
+    the gathered rows in cache (1.1-2x faster than two batched products at M = H over larger tiles).
     """
     s, heads, width = query.shape
     k = selected.shape[-1]
-    # The output keeps the rope columns too: a product over the whole gathered rows costs less than
-    # copying their latent part out of them.
+    # The output keeps the rope columns too: attending the whole gathered rows costs less than copying
+    # their latent part out of them.
     out = query.new_empty(s, heads, width)
-    step = query_tile(k * max(width, heads))
+    step = min(SPARSE_QUERY_TILE, query_tile(k * max(width, heads)))
     for a in range(0, s, step):
         b = min(a + step, s)
-        rows = rows_of(selected[a:b]).to(query.dtype)  # [tile, k, latent + rope]
-        scores = torch.bmm(query[a:b], rows.transpose(1, 2))  # [tile, H, k]
+        rows = rows_of(selected[a:b]).to(query.dtype).unsqueeze(1)  # [tile, 1, k, latent + rope]
+        allowed = None
         if int(positions[a]) < k:  # only queries before position k can have selected a later key
-            later = selected[a:b] > positions[a:b, None]
-            scores.masked_fill_(later.unsqueeze(1), float("-inf"))
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
-        torch.bmm(probs, rows, out=out[a:b])
+            allowed = (selected[a:b] <= positions[a:b, None])[:, None, None, :]
+        out[a:b] = F.scaled_dot_product_attention(query[a:b].unsqueeze(1), rows, rows, attn_mask=allowed,
+                                                  scale=1.0).squeeze(1)
     return out[..., :latent_dim]
 
 
