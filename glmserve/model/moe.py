@@ -21,6 +21,11 @@ PAD_LIMIT = 4
 # is per-op overhead; GLM-5 sizes (256 experts, top-8) never take it.
 DENSE_MAX_TOKENS = 64
 DENSE_MAX_RATIO = 4
+# oneDNN builds a kernel for every new row count of a bfloat16 product (~1.5 ms each on an AMX Xeon,
+# 25x a 300-row expert's product) and experts' row counts change with every chunk; in bfloat16 each
+# expert runs on its rows rounded up to a multiple of this (the next expert's rows, or zeros after the
+# last; their outputs are dropped), so the counts repeat and the kernels are cached.
+BF16_ROW_BUCKET = 32
 
 
 class TopkRouter(nn.Module):
@@ -97,13 +102,16 @@ class RoutedExperts(nn.Module):
         return (out * routing.t().unsqueeze(-1)).to(x.dtype).sum(dim=0)
 
     def _per_expert(self, xs: torch.Tensor, sizes: list[int]) -> torch.Tensor:
-        """Rows sorted by expert, each expert's two matmuls on its own rows."""
+        """Rows sorted by expert, each expert's two matmuls on its own rows (rounded up in bfloat16)."""
+        bucket = BF16_ROW_BUCKET if xs.dtype == torch.bfloat16 else 1
+        xs = torch.cat([xs, xs.new_zeros(bucket - 1, xs.shape[1])]) if bucket > 1 else xs
         ys, start = [], 0
         for expert, count in enumerate(sizes):
             if count == 0:
                 continue
-            gate, up = F.linear(xs[start : start + count], self.gate_up_proj[expert]).chunk(2, dim=-1)
-            ys.append(F.linear(silu_mul(gate, up), self.down_proj[expert]))
+            rows = -(-count // bucket) * bucket
+            gate, up = F.linear(xs[start : start + rows], self.gate_up_proj[expert]).chunk(2, dim=-1)
+            ys.append(F.linear(silu_mul(gate, up), self.down_proj[expert])[:count])
             start += count
         return torch.cat(ys)
 

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from reference import config_dict
 
+from glmserve.model import moe as moe_module
 from glmserve.model.config import GlmConfig
 from glmserve.model.fused_linear import FusedLinear
 from glmserve.model.glm_model import init_random
@@ -31,6 +32,15 @@ def _plain_moe(moe: MoE, x: torch.Tensor) -> torch.Tensor:
             gate, up = (ex.gate_up_proj[e] @ x[t]).chunk(2)
             out[t] += w * (ex.down_proj[e] @ (F.silu(gate) * up))
     return out
+
+
+@torch.no_grad()
+def test_bfloat16_experts_on_rounded_up_rows_give_every_row_its_own_result(monkeypatch):
+    moe = _moe().to(torch.bfloat16)
+    x = torch.randn(600, moe.gate.weight.shape[1], generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    rounded = moe(x)  # experts' row counts are not multiples of the bucket: their windows take the next rows
+    monkeypatch.setattr(moe_module, "BF16_ROW_BUCKET", 1)
+    torch.testing.assert_close(rounded, moe(x), atol=0, rtol=0)
 
 
 @torch.no_grad()
