@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import collections
 import heapq
-import json
 import math
 import random
 import statistics
@@ -44,7 +43,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench.common import RunMonitor, markdown_table, print_header  # noqa: E402
-from bench.trace_variants import VARIANTS, TraceRow  # noqa: E402
+from bench.trace_variants import VARIANTS, TraceRow, read_rows  # noqa: E402
 from glmserve.core.block_hash import CacheKeyRoot, block_hashes, reusable_blocks  # noqa: E402
 from glmserve.core.generation import SamplingParams  # noqa: E402
 from glmserve.engine.kv_cache_manager import KVCacheManager  # noqa: E402
@@ -52,7 +51,7 @@ from glmserve.engine.request import Request  # noqa: E402
 from glmserve.kv.block_index import InMemoryBlockIndex  # noqa: E402
 from glmserve.kv.block_pool import BlockPool  # noqa: E402
 from glmserve.services.kv_events import KVEventPublisher  # noqa: E402
-from glmserve.services.kvstore.client import BlockEvent  # noqa: E402
+from glmserve.services.kvstore.client import BlockEvent, KVStoreHealth  # noqa: E402
 from glmserve.services.router.prefill_routing import (  # noqa: E402
     PrefillCandidate,
     PrefillRouting,
@@ -88,17 +87,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 class TraceRequest:
     arrival_s: float
     prompt: list[int]
-
-
-def read_rows(path: Path, n: int) -> list[TraceRow]:
-    rows = []
-    with path.open() as f:
-        for line in f:
-            if len(rows) >= n:
-                break
-            row = json.loads(line)
-            rows.append(TraceRow(row["timestamp"], row["input_length"], tuple(row["hash_ids"])))
-    return rows
 
 
 def load_trace(path: Path | list[TraceRow], n: int, tokens_per_id: int, seed: int) -> list[TraceRequest]:
@@ -144,6 +132,9 @@ class IndexSink:
 
     def remove_worker(self, worker: str) -> int:
         return self.index.remove_worker(worker)
+
+    def health(self) -> KVStoreHealth:
+        return KVStoreHealth("memory", True, "in process", index_epoch="in-process")  # never lost
 
 
 @dataclass

@@ -7,10 +7,12 @@ collide with a shared block.
 
 from __future__ import annotations
 
+import json
 import random
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 BLOCK = 512  # tokens per trace hash id
 
@@ -20,6 +22,26 @@ class TraceRow:
     timestamp_ms: float
     input_length: int
     hash_ids: tuple[int, ...]
+
+
+def read_rows(path: Path, n: int) -> list[TraceRow]:
+    """The first `n` rows of a Mooncake-format trace file."""
+    rows = []
+    with path.open() as f:
+        for line in f:
+            if len(rows) >= n:
+                break
+            row = json.loads(line)
+            rows.append(TraceRow(row["timestamp"], row["input_length"], tuple(row["hash_ids"])))
+    return rows
+
+
+def write_rows(rows: list[TraceRow], path: Path, output_length: int) -> None:
+    """Rows as a Mooncake-format trace file (the variants keep no output lengths: one for all)."""
+    with path.open("w") as f:
+        for r in rows:
+            f.write(json.dumps({"timestamp": r.timestamp_ms, "input_length": r.input_length,
+                                "output_length": output_length, "hash_ids": list(r.hash_ids)}) + "\n")
 
 
 def _fresh_ids(rows: list[TraceRow]):
