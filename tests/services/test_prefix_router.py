@@ -96,3 +96,25 @@ def test_without_a_kvstore_the_local_view_routes_repeats() -> None:
         assert router.index_source() == "local"
 
     asyncio.run(scenario())
+
+
+def test_least_queued_tokens_is_the_soonest_start_of_a_healthy_worker() -> None:
+    """The decode worker's local-prefill rule compares against this, not the chosen worker's queue
+    (a cache hit may have chosen the longer one)."""
+    async def scenario() -> None:
+        workers = pool({"p-a": ROOT_A, "p-b": ROOT_A})
+        router = PrefixRouter(workers)
+        assert router.least_queued_tokens() == 0
+        first = await router.route(PROMPT, RequestHints())
+        router.acquire(first)
+        second = await router.route(list(range(300, 340)), RequestHints())
+        assert second.address != first.address  # the other worker had nothing queued
+        router.acquire(second)
+        assert router.least_queued_tokens() == 40
+        workers.report(second.address, HealthReport(False, "", free_blocks=0), workers.epoch(second.address))
+        assert router.least_queued_tokens() == 100  # an unhealthy worker starts nothing
+        router.release(first, FirstEvent(0))
+        assert router.least_queued_tokens() == 0
+        await router.close()
+
+    asyncio.run(scenario())

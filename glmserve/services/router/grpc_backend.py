@@ -268,7 +268,7 @@ class DisaggregatedBackend(GenerationBackend):
             if stream.aborted:
                 yield TokenEvent.ended(request_id, "abort")
                 return
-            local = self.local_prefill.choose(decode, len(prompt), self.prefix_router.queued_tokens(prefill))
+            local = self.local_prefill.choose(decode, len(prompt), self.prefix_router.least_queued_tokens())
             request = decode_pb.GenerateRequest(
                 transfer=common_pb.TransferId(request_id=request_id, generation=next(self._generations)),
                 prompt_ids=prompt, sampling=sampling_to_proto(attempt_params), prefill_target=prefill,

@@ -120,6 +120,10 @@ class PrefixRouter:
         """Prompt tokens this router sent to ``address`` that are still being prefilled."""
         return self._queued_tokens.get(address, 0)
 
+    def least_queued_tokens(self) -> int:
+        """The fewest `queued_tokens` of a healthy prefill worker: the soonest one could start a prompt."""
+        return min((self.queued_tokens(v.address) for v in self.pool.views() if v.healthy), default=0)
+
     def acquire(self, routed: RoutedPrefill) -> None:
         """The request goes to the routed prefill worker (counted as a decision by its reason)."""
         self.metrics.decisions.labels(reason=routed.decision.reason).inc()
