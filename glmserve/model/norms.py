@@ -21,6 +21,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x.dtype == weight.dtype == torch.float32:
         # One fused op instead of six; equal to the path below within float rounding.
         return F.rms_norm(x, weight.shape, weight, eps)
-    # Normalised in float32 by the fused op (bit-equal to x * rsqrt(mean(x^2) + eps) written out,
-    # in half the ops), then scaled in the input dtype.
-    return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
+    # Normalised in float32 inside the fused op, rounded to the input dtype, then scaled in it: what
+    # the checkpoint's norm computes, bit for bit, without converting x to float32 and back.
+    return weight * F.rms_norm(x, weight.shape, None, eps)

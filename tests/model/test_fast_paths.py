@@ -1,4 +1,4 @@
-"""Inference fast paths equal the plain definitions: fused projections, the MoE and its router."""
+"""Inference fast paths equal the plain definitions: fused projections, the MoE and its router, RMSNorm."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from glmserve.model.fused_linear import FusedLinear
 from glmserve.model.glm_model import init_random
 from glmserve.model.mlp import GatedMLP
 from glmserve.model.moe import MoE
+from glmserve.model.norms import rms_norm
 
 
 def _moe() -> MoE:
@@ -67,3 +68,15 @@ def test_fused_linear_matches_layers_follows_updates_and_steps_aside_for_autogra
     mlp(x).sum().backward()
     assert mlp.gate_proj.weight.grad is not None and mlp.up_proj.weight.grad is not None
     assert FusedLinear([torch.nn.Linear(16, 4, bias=False).double()])(x) is None  # mixed dtypes
+
+
+@torch.no_grad()
+def test_bfloat16_rms_norm_is_the_checkpoints_definition_bit_for_bit():
+    """Normalise in float32, round to bf16, scale in bf16 (transformers' GLM RMSNorm written out)."""
+    gen = torch.Generator().manual_seed(3)
+    for rows, size in ((1, 128), (32, 192), (257, 256), (2048, 1024)):
+        x = (torch.randn(rows, size, generator=gen) * torch.rand(rows, 1, generator=gen) * 10).to(torch.bfloat16)
+        weight = torch.randn(size, generator=gen).to(torch.bfloat16)
+        h = x.float()
+        plain = weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(torch.bfloat16)
+        assert torch.equal(rms_norm(x, weight, 1e-6), plain)
