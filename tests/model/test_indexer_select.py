@@ -6,7 +6,7 @@ import torch
 from reference import config_dict
 
 from glmserve.model.config import GlmConfig
-from glmserve.model.indexer import Indexer
+from glmserve.model.indexer import Indexer, top_k_earliest
 
 
 def _indexer(topk: int) -> Indexer:
@@ -61,3 +61,14 @@ def test_negative_scores_and_signed_zeros_order_as_floats():
     for k in (1, 7, 20):
         top = scores.sort(descending=True, stable=True).indices[:, :k].sort().values
         assert _indexer(k).select(scores).tolist() == top.tolist()
+
+
+def test_top_k_earliest_equals_a_stable_sort_on_rows_with_and_without_ties_at_the_cut():
+    """Rows tied at the cut and rows not tied, in one call: each row as a stable descending sort takes it."""
+    g = torch.Generator().manual_seed(4)
+    for t, k in ((129, 128), (300, 128), (2000, 128), (50, 7)):
+        scores = torch.randn(24, t, generator=g)
+        scores[::2] = (scores[::2] * 2).round()  # every other row: many exact ties, -0.0 among them
+        scores[:, t // 2 :][torch.rand(24, t - t // 2, generator=g) < 0.3] = float("-inf")
+        top = scores.sort(descending=True, stable=True).indices[:, :k].sort().values
+        assert torch.equal(top_k_earliest(scores, k), top)
