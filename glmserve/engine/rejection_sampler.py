@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from glmserve.core.generation import SamplingParams
-from glmserve.engine.sampler import Generators, processed_probs, sample_from_probs, uniform
+from glmserve.engine.sampler import Generators, greedy_ids, processed_probs, sample_from_probs, uniform
 
 
 @dataclass(frozen=True)
@@ -84,7 +84,7 @@ def _verify_greedy(drafts: torch.Tensor, target_logits: torch.Tensor) -> tuple[l
     """(accepted count, extra token) per row: accept while draft == target argmax."""
     if drafts.shape[0] == 0:
         return [], []
-    best = target_logits.argmax(dim=-1)  # [b, k+1]; ties -> lowest id, like the Sampler
+    best = greedy_ids(target_logits)  # [b, k+1]; ties -> lowest id, like the Sampler
     n = _leading_true(drafts == best[:, :-1])
     extra = best.gather(1, n.unsqueeze(1)).squeeze(1)
     return n.tolist(), extra.tolist()

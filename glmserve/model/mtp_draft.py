@@ -47,7 +47,7 @@ def draft_tokens(
         if first_topk is None:
             first_topk = topk
         step_logits = model.mtp_logits(hidden)
-        tokens = step_logits.argmax(-1).tolist()
+        tokens = step_logits.max(-1).indices.tolist()  # argmax, 3x faster on CPU (see engine.sampler.greedy_ids)
         ids.append(torch.tensor(tokens))
         logits.append(step_logits)
     return torch.stack(ids, dim=1), torch.stack(logits, dim=1)

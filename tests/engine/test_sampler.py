@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from glmserve.core.generation import SamplingParams
-from glmserve.engine.sampler import Sampler, make_generator, sample_from_probs
+from glmserve.engine.sampler import Sampler, greedy_ids, make_generator, sample_from_probs
 
 GREEDY = SamplingParams(temperature=0)
 
@@ -140,3 +140,11 @@ def test_shape_errors():
         Sampler().sample(torch.zeros(2, 5), [GREEDY])
     with pytest.raises(ValueError, match="^generators:"):
         Sampler().sample(torch.zeros(2, 5), [GREEDY] * 2, [None])
+
+
+def test_greedy_ids_is_argmax_with_ties_and_nan_at_the_first():
+    nan = float("nan")
+    logits = torch.tensor([[1.0, 3.0, 3.0, 0.0], [nan, 1.0, nan, 2.0], [5.0, 5.0, 5.0, 5.0]])
+    assert greedy_ids(logits).tolist() == logits.argmax(dim=-1).tolist() == [1, 0, 0]
+    many = torch.randint(0, 3, (64, 8192), generator=torch.Generator().manual_seed(0)).float()
+    assert torch.equal(greedy_ids(many), many.argmax(dim=-1))
