@@ -26,7 +26,8 @@ from dataclasses import dataclass
 import torch
 
 from glmserve.core.generation import SamplingParams
-from glmserve.engine.sampler import Generators, greedy_ids, processed_probs, sample_from_probs, uniform
+from glmserve.engine.sampler import Generators, processed_probs, sample_from_probs, uniform
+from glmserve.model.greedy import greedy_ids
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from glmserve.core.generation import SamplingParams
+from glmserve.model.greedy import greedy_ids
 
 Generators = Sequence[torch.Generator | None]
 
@@ -77,13 +78,6 @@ def _per_row_random(
 def uniform(rows: int, width: int, generators: Generators, device: torch.device) -> torch.Tensor:
     """[rows, width] float32 uniforms in [0, 1), row i drawn from ``generators[i]``."""
     return _per_row_random(rows, width, generators, device, lambda t, g: t.uniform_(generator=g))
-
-
-def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
-    """The best id of each row along the last dim; ties (and NaN) as ``argmax``: the first one.
-    ``max(dim).indices`` is the same and 3x faster than ``argmax(dim)`` on CPU ([32, 8192] float32:
-    130 against 400 us, 2% of a decode step)."""
-    return logits.max(dim=-1).indices
 
 
 def sample_from_probs(probs: torch.Tensor, generators: Generators) -> torch.Tensor:

@@ -14,6 +14,7 @@ import torch
 
 from glmserve.model.forward_batch import ForwardBatch
 from glmserve.model.glm_model import GlmForCausalLM
+from glmserve.model.greedy import greedy_ids
 from glmserve.model.paged_cache import PagedKVCache
 
 
@@ -47,7 +48,7 @@ def draft_tokens(
         if first_topk is None:
             first_topk = topk
         step_logits = model.mtp_logits(hidden)
-        tokens = step_logits.max(-1).indices.tolist()  # argmax, 3x faster on CPU (see engine.sampler.greedy_ids)
+        tokens = greedy_ids(step_logits).tolist()
         ids.append(torch.tensor(tokens))
         logits.append(step_logits)
     return torch.stack(ids, dim=1), torch.stack(logits, dim=1)

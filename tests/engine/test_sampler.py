@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from glmserve.core.generation import SamplingParams
-from glmserve.engine.sampler import Sampler, greedy_ids, make_generator, sample_from_probs
+from glmserve.engine.sampler import Sampler, make_generator, sample_from_probs
+from glmserve.model.greedy import greedy_ids
 
 GREEDY = SamplingParams(temperature=0)
 

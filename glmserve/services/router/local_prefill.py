@@ -13,9 +13,10 @@ Policy (``mode``):
   `PrefixRouter.least_queued_tokens`) and ``local_queued`` the prompts this router gave that decode
   worker that have not produced their first token yet. Not the chosen worker's queue: cache-aware
   routing may pick a longer queue for a cache hit, and comparing against it sent those prompts to
-  the decode worker without their hit (over HTTP, 1.2-1.45x the TTFT of least-loaded routing). With one request at a time nothing is queued, so every prompt goes to a prefill
-  worker; under a backlog the work splits between both kinds of core. Also local: prompts of at
-  most ``short_tokens`` (the hop costs more than the compute; 0 turns this off).
+  the decode worker without their hit (over HTTP, 1.2-1.45x the TTFT of least-loaded routing).
+  With one request at a time nothing is queued, so every prompt goes to a prefill worker; under a
+  backlog the work splits between both kinds of core. Also local: prompts of at most
+  ``short_tokens`` (the hop costs more than the compute; 0 turns this off).
 - ``off``: always a prefill worker (the platform before this policy; a baseline for benchmarks).
 - ``always``: always the decode worker (one-process behaviour through the platform; tests).
 
