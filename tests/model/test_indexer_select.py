@@ -6,7 +6,7 @@ import torch
 from reference import config_dict
 
 from glmserve.model.config import GlmConfig
-from glmserve.model.indexer import Indexer, top_k_earliest
+from glmserve.model.indexer import Indexer, prefilter_group, top_k_earliest
 
 
 def _indexer(topk: int) -> Indexer:
@@ -64,11 +64,19 @@ def test_negative_scores_and_signed_zeros_order_as_floats():
 
 
 def test_top_k_earliest_equals_a_stable_sort_on_rows_with_and_without_ties_at_the_cut():
-    """Rows tied at the cut and rows not tied, in one call: each row as a stable descending sort takes it."""
+    """Rows tied at the cut and rows not tied, in one call: each row as a stable descending sort takes it.
+    Rows of 12+ times k scores search only the best groups' members (`prefilter_group`)."""
     g = torch.Generator().manual_seed(4)
-    for t, k in ((129, 128), (300, 128), (2000, 128), (50, 7)):
+    for t, k in ((129, 128), (300, 128), (2000, 128), (50, 7), (16384, 128), (3001, 3), (1000, 1)):
         scores = torch.randn(24, t, generator=g)
         scores[::2] = (scores[::2] * 2).round()  # every other row: many exact ties, -0.0 among them
         scores[:, t // 2 :][torch.rand(24, t - t // 2, generator=g) < 0.3] = float("-inf")
+        scores[1] = 0.0  # one group maximum everywhere: every group ties
+        scores[3, ::5] = 9.0  # more of the best value than k, spread over every group
         top = scores.sort(descending=True, stable=True).indices[:, :k].sort().values
         assert torch.equal(top_k_earliest(scores, k), top)
+
+
+def test_long_rows_take_the_group_prefilter_and_short_ones_do_not():
+    assert prefilter_group(16384, 128) == 8 and prefilter_group(2000, 128) == 3
+    assert prefilter_group(1024, 128) == 1 and prefilter_group(16384, 2048) == 1
