@@ -65,9 +65,11 @@ def test_negative_scores_and_signed_zeros_order_as_floats():
 
 def test_top_k_earliest_equals_a_stable_sort_on_rows_with_and_without_ties_at_the_cut():
     """Rows tied at the cut and rows not tied, in one call: each row as a stable descending sort takes it.
-    Rows of 12+ times k scores search only the best groups' members (`prefilter_group`)."""
+    Rows of 12+ times k scores search only the best groups' members (`prefilter_group`); rows of at most
+    4 (k + 1) select by a mask at the cut (`SHORT_ROW`)."""
     g = torch.Generator().manual_seed(4)
-    for t, k in ((129, 128), (300, 128), (2000, 128), (50, 7), (16384, 128), (3001, 3), (1000, 1)):
+    shapes = ((129, 128), (300, 128), (516, 128), (600, 128), (2000, 128), (50, 7), (16384, 128), (3001, 3), (1000, 1))
+    for t, k in shapes:
         scores = torch.randn(24, t, generator=g)
         scores[::2] = (scores[::2] * 2).round()  # every other row: many exact ties, -0.0 among them
         scores[:, t // 2 :][torch.rand(24, t - t // 2, generator=g) < 0.3] = float("-inf")
