@@ -68,8 +68,11 @@ def verify(
     extra = [0] * batch
     greedy = [i for i, p in enumerate(params) if p.is_greedy]
     sampled = [i for i, p in enumerate(params) if not p.is_greedy]
+    # All rows greedy (the common case) needs no copy of the batch's logits.
+    whole = len(greedy) == batch
     results = [
-        (greedy, _verify_greedy(draft_tokens[greedy], target_logits[greedy])),
+        (greedy, _verify_greedy(draft_tokens if whole else draft_tokens[greedy],
+                                target_logits if whole else target_logits[greedy])),
         (sampled, _verify_sampled(draft_tokens, draft_probs, target_logits, params, generators, sampled)),
     ]
     for rows, (counts, tokens) in results:
