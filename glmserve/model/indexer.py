@@ -20,8 +20,8 @@ from glmserve.model.rope import apply_rope
 # 1.5x slower; with 2 MiB on an AMX Xeon, 2 MiB tiles select 1.07-1.1x faster than 1 MiB ones).
 SELECT_TILE_VALUES = l2_bytes() // 4
 # Rows of at most this many times k + 1 scores select by a mask at the k-th best instead of sorting the
-# top k: 0.57x the time at 32 x 320 scores, k = 128 (a batch-32 decode step's selection), even at ~8x,
-# 1.2-1.5x slower beyond (an AMX Xeon).
+# top k: 0.57x the time at 32 x 320 scores, k = 128 (a batch-32 decode step's selection); about even at
+# 8x, 1.2-1.5x slower beyond (an AMX Xeon).
 SHORT_ROW = 4
 
 
@@ -155,9 +155,10 @@ def earliest_at_cut(keys: torch.Tensor, cut: torch.Tensor, k: int) -> torch.Tens
 def prefilter_group(t: int, k: int) -> int:
     """Positions per group of `best_group_members` for rows of t scores, or 1: no prefilter. A row's
     search then covers about t / g group maxima and (k + 1) g members instead of t scores: 0.43-0.6x the
-    time at t / k = 30-130 with 8 (an AMX Xeon, 8-32 rows of 4-16K scores); below t / k ~ 16 it costs more
-    than it saves."""
-    return min(8, t // (k + 1) // 4) if t // (k + 1) >= 12 else 1
+    time at t / k = 30-130 with 8, 0.87x at 16 with 3 (an AMX Xeon, 8-64 rows of 2-16K scores); below
+    t / k ~ 12 it costs more than it saves."""
+    ratio = t // (k + 1)
+    return min(8, ratio // 4) if ratio >= 12 else 1
 
 
 def best_group_members(flat: torch.Tensor, k: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
