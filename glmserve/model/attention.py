@@ -301,21 +301,21 @@ def attend_selected(query: torch.Tensor, view: torch.Tensor, tables: torch.Tenso
 
 def selected_rows(view: torch.Tensor, tables: torch.Tensor, positions: torch.Tensor, selected: torch.Tensor,
                   valid: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(where, allowed): each selected position's row in the cache (PagedKVCache.token_offsets, the
-    same in every layer's view) and [B, S, 1, K] whether its query may attend it. Layers that share a
+    """(index, allowed): each selected position's row in the cache (PagedKVCache.row_index, the same
+    in every layer's view) and [B, S, 1, K] whether its query may attend it. Layers that share a
     selection share these."""
     b, block_size = tables.shape[0], view.shape[1]
     blocks = tables.gather(1, (selected // block_size).reshape(b, -1)).view(selected.shape)
     allowed = selected <= positions.unsqueeze(-1)
     if valid is not None:
         allowed &= valid
-    return PagedKVCache.token_offsets(view, blocks, selected % block_size), allowed.unsqueeze(2)
+    return PagedKVCache.row_index(view, blocks, selected % block_size), allowed.unsqueeze(2)
 
 
-def attend_rows(query: torch.Tensor, view: torch.Tensor, where: torch.Tensor, allowed: torch.Tensor,
+def attend_rows(query: torch.Tensor, view: torch.Tensor, index: torch.Tensor, allowed: torch.Tensor,
                 latent_dim: int) -> torch.Tensor:
     """attend_selected over rows located by `selected_rows`."""
-    rows = PagedKVCache.rows_at(view, where).to(query.dtype)
+    rows = PagedKVCache.rows_at(view, index).to(query.dtype)
     probs = masked_softmax(torch.matmul(query, rows.transpose(-1, -2)), allowed, query.dtype)
     # The value product runs over the whole rows (rope columns included): slicing them first would copy them.
     return torch.matmul(probs, rows)[..., :latent_dim]

@@ -33,7 +33,8 @@ def paged_rows(view: torch.Tensor, block_table: torch.Tensor, length: int) -> Ro
     """Rows of one sequence's first `length` positions in a paged cache view (only the addressed
     rows are read). Where each position lives is looked up once, not in every query tile."""
     positions = torch.arange(length, device=block_table.device)
-    windows, index = PagedKVCache.row_index(view, block_table[positions // view.shape[1]], positions % view.shape[1])
+    index = PagedKVCache.row_index(view, block_table[positions // view.shape[1]], positions % view.shape[1])
+    windows = PagedKVCache.windows(view)
     return lambda pos: windows.index_select(0, index[pos].reshape(-1)).view(*pos.shape, view.shape[2])
 
 
