@@ -300,19 +300,20 @@ def attend_selected(query: torch.Tensor, view: torch.Tensor, tables: torch.Tenso
 
 
 def selected_rows(view: torch.Tensor, tables: torch.Tensor, positions: torch.Tensor, selected: torch.Tensor,
-                  valid: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                  valid: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(index, allowed): each selected position's row in the cache (PagedKVCache.row_index, the same
-    in every layer's view) and [B, S, 1, K] whether its query may attend it. Layers that share a
-    selection share these."""
+    in every layer's view) and [B, S, 1, K] whether its query may attend it, None where every query
+    may attend all its rows (a decode step whose contexts all exceed the selection: no mask to apply
+    in each layer). Layers that share a selection share these."""
     b, block_size = tables.shape[0], view.shape[1]
     blocks = tables.gather(1, (selected // block_size).reshape(b, -1)).view(selected.shape)
     allowed = selected <= positions.unsqueeze(-1)
     if valid is not None:
         allowed &= valid
-    return PagedKVCache.row_index(view, blocks, selected % block_size), allowed.unsqueeze(2)
+    return PagedKVCache.row_index(view, blocks, selected % block_size), None if allowed.all() else allowed.unsqueeze(2)
 
 
-def attend_rows(query: torch.Tensor, view: torch.Tensor, index: torch.Tensor, allowed: torch.Tensor,
+def attend_rows(query: torch.Tensor, view: torch.Tensor, index: torch.Tensor, allowed: torch.Tensor | None,
                 latent_dim: int) -> torch.Tensor:
     """attend_selected over rows located by `selected_rows`."""
     rows = PagedKVCache.rows_at(view, index).to(query.dtype)
@@ -321,9 +322,10 @@ def attend_rows(query: torch.Tensor, view: torch.Tensor, index: torch.Tensor, al
     return torch.matmul(probs, rows)[..., :latent_dim]
 
 
-def masked_softmax(scores: torch.Tensor, allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Softmax over the last dim in float32 where `allowed`, in `dtype`."""
-    scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
+def masked_softmax(scores: torch.Tensor, allowed: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """Softmax over the last dim in float32 where `allowed` (None: everywhere), in `dtype`."""
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
     return F.softmax(scores, dim=-1, dtype=torch.float32).to(dtype)
 
 
