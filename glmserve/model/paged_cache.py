@@ -9,6 +9,7 @@ import math
 
 import torch
 
+from glmserve.model.huge_pages import zeros_on_huge_pages
 from glmserve.model.kv_layout import KVLayout, Region
 
 
@@ -19,7 +20,7 @@ class PagedKVCache:
         self.layout = layout
         self.num_blocks = num_blocks
         # One row per block: a block is one contiguous region (one transfer descriptor).
-        self.buffer = torch.zeros(num_blocks, layout.values_per_block, dtype=layout.dtype, device=device)
+        self.buffer = zeros_on_huge_pages(num_blocks, layout.values_per_block, layout.dtype, device)
 
     def _view(self, region: Region) -> torch.Tensor:
         size = self.layout.block_size * region.width
