@@ -67,7 +67,7 @@ class Indexer(nn.Module):
         keys_t = keys.float().transpose(-1, -2).unsqueeze(-3)  # [..., 1, D, T]
         per_head = torch.relu(torch.matmul(q.float(), keys_t))  # [..., S, H, T]; the scale is in weights
         scores = torch.matmul(weights.unsqueeze(-2), per_head).squeeze(-2)  # [..., S, T]
-        later = torch.arange(keys.shape[-2], device=positions.device) > positions.unsqueeze(-1)
+        later = causal_mask(positions, keys.shape[-2]).logical_not_()
         return scores.masked_fill_(later, float("-inf"))  # in place: `scores` is this call's own
 
     def select_tiled(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,

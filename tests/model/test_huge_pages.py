@@ -12,7 +12,7 @@ THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
 def test_the_buffer_is_zeros_of_its_shape_and_dtype():
-    t = zeros_on_huge_pages(3, 2 * HUGE_PAGE // 2, torch.bfloat16, "cpu")
+    t = zeros_on_huge_pages(3, HUGE_PAGE, torch.bfloat16, "cpu")
     assert t.shape == (3, HUGE_PAGE) and t.dtype == torch.bfloat16
     assert not t.any()
 
