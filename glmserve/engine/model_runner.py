@@ -8,6 +8,7 @@ import torch
 
 from glmserve.engine.request import Request
 from glmserve.engine.scheduler import ScheduledWork
+from glmserve.model.attention import pad_topk, split_topk
 from glmserve.model.forward_batch import ForwardBatch
 from glmserve.model.glm_model import GlmForCausalLM
 from glmserve.model.paged_cache import PagedKVCache
@@ -129,8 +130,37 @@ class ModelRunner:
             self.store_mtp_kv([reqs[i] for i in keep], [starts[i] for i in keep],
                               [hidden[i][: kv_rows[i]] for i in keep], [next_tokens[i][: kv_rows[i]] for i in keep])
         tokens = [t[n:] for t, n in zip(next_tokens, kv_rows, strict=True)]
-        batch = self._batch(tokens, [s + n for s, n in zip(starts, kv_rows, strict=True)], reqs)
-        rows = torch.cat([h[n:] for h, n in zip(hidden, kv_rows, strict=True)])
-        out, topk = self.model.mtp_step(self.model.context(batch, self.cache), rows, topk_in)
-        last = out[torch.tensor([len(t) for t in tokens]).cumsum(0) - 1]
-        return MtpResult(last, self.model.mtp_logits(last).float(), [k[-1:] for k in topk])
+        starts = [s + n for s, n in zip(starts, kv_rows, strict=True)]
+        hidden = [h[n:] for h, n in zip(hidden, kv_rows, strict=True)]
+        if self.model.decodes_queries(max(len(t) for t in tokens)):
+            last, topk = self._mtp_graph(reqs, starts, hidden, tokens, topk_in)
+        else:
+            batch = self._batch(tokens, starts, reqs)
+            out, topks = self.model.mtp_step(self.model.context(batch, self.cache), torch.cat(hidden), topk_in)
+            last = out[torch.tensor([len(t) for t in tokens]).cumsum(0) - 1]
+            topk = [k[-1:] for k in topks]
+        return MtpResult(last, self.model.mtp_logits(last).float(), topk)
+
+    def _mtp_graph(self, reqs, starts, hidden, tokens, topk_in) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """(each item's last output row [B, H], its [1, k] selection) through `mtp_decode`, one pass per
+        number of positions."""
+        by_len: dict[int, list[int]] = {}
+        for i, t in enumerate(tokens):
+            by_len.setdefault(len(t), []).append(i)
+        last: list[torch.Tensor] = [None] * len(reqs)  # type: ignore[list-item]
+        topk: list[torch.Tensor] = [None] * len(reqs)  # type: ignore[list-item]
+        for s, items in by_len.items():
+            ids = torch.tensor([tokens[i] for i in items], dtype=torch.int64)
+            positions = torch.tensor([starts[i] for i in items], dtype=torch.int64)[:, None] + torch.arange(s)
+            width = max(len(reqs[i].block_ids) for i in items)
+            tables = torch.tensor([reqs[i].block_ids + [0] * (width - len(reqs[i].block_ids)) for i in items],
+                                  dtype=torch.int64)
+            given = None if topk_in is None else [topk_in[i] for i in items]
+            selected, valid = (None, None) if given is None else pad_topk(given)
+            out, used = self.model.mtp_decode(self.cache, ids, torch.cat([hidden[i] for i in items]), positions,
+                                              tables, selected, valid)
+            out = out.view(len(items), s, -1)[:, -1]
+            used = given or split_topk(used, self.model.config.index_topk, (positions[:, -1] + 1).tolist())
+            for j, i in enumerate(items):
+                last[i], topk[i] = out[j], used[j][-1:]
+        return torch.stack(last), topk

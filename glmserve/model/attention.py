@@ -215,12 +215,12 @@ class MLAttention(nn.Module):
         b, s = g.num_seqs, g.num_queries
         block_size = ctx.cache.layout.block_size
         if topk_in is not None:
-            selected, valid = _pad_topk(topk_in)
+            selected, valid = pad_topk(topk_in)
             topks = topk_in
         else:
             selected = self._group_select(ctx, g, index, block_size)
             valid = None
-            topks = _split_topk(selected, self.indexer.index_topk, g.context_lens)
+            topks = split_topk(selected, self.indexer.index_topk, g.context_lens)
         query = query.view(b, s, self.heads, -1)  # [B, S, H, latent + rope]
         lat_out = attend_selected(query, ctx.cache.latent_view(self.layer_idx), g.block_tables, g.positions,
                                   selected.reshape(b, s, -1), valid, self.latent_dim)
@@ -329,14 +329,14 @@ def masked_softmax(scores: torch.Tensor, allowed: torch.Tensor | None, dtype: to
     return F.softmax(scores, dim=-1, dtype=torch.float32).to(dtype)
 
 
-def _split_topk(selected: torch.Tensor, index_topk: int, context_lens: list[int]) -> list[torch.Tensor]:
+def split_topk(selected: torch.Tensor, index_topk: int, context_lens: list[int]) -> list[torch.Tensor]:
     """Each sequence's [S, min(index_topk, context)] part of a group's [B, S, K] selection."""
     if min(index_topk, *context_lens) >= selected.shape[-1]:
         return list(selected.unbind(0))  # nothing to cut: one op instead of one per sequence
     return [t[:, : min(index_topk, n)] for t, n in zip(selected, context_lens, strict=True)]
 
 
-def _pad_topk(topk: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+def pad_topk(topk: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Stack per-sequence [S, k_i] selections into [B, S, K]; pads (k_i < K) are 0 and marked invalid."""
     width = max(t.shape[-1] for t in topk)
     if all(t.shape[-1] == width for t in topk):

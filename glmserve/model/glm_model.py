@@ -14,7 +14,7 @@ from torch import nn
 
 from glmserve.model.attention import ABSORBED_MAX_QUERIES
 from glmserve.model.config import GlmConfig
-from glmserve.model.decode_forward import decode_forward
+from glmserve.model.decode_forward import decode_forward, mtp_forward
 from glmserve.model.decoder_layer import DecoderLayer
 from glmserve.model.forward_batch import ForwardBatch
 from glmserve.model.forward_context import ForwardContext
@@ -137,13 +137,29 @@ class GlmForCausalLM(nn.Module):
         ids and positions [B, S] (each row consecutive), block tables [B, W]; the new tokens' KV is
         stored in `cache`. The same function as `forward`, written for such batches
         (glmserve/model/decode_forward.py)."""
+        w = self._graph()
+        cos, sin = self.rope.cos_sin(positions.reshape(-1), self.dtype)
+        normed = decode_forward(w, self.config, cache, input_ids, positions, tables, cos, sin)
+        return w.head(normed).float(), normed
+
+    def mtp_decode(self, cache: PagedKVCache, input_ids: torch.Tensor, prev_hidden: torch.Tensor,
+                   positions: torch.Tensor, tables: torch.Tensor, selected: torch.Tensor | None = None,
+                   valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`mtp_step` of B sequences of S positions each in one function (tokens t+1 `input_ids` and
+        positions t [B, S], prev_hidden [B * S, hidden], block tables [B, W]): (the layer's output
+        [B * S, hidden], the positions [B, S, K] its queries attended). `selected` / `valid`: an earlier
+        step's selection to reuse (decode_forward.mtp_forward)."""
+        w = self._graph()
+        cos, sin = self.rope.cos_sin(positions.reshape(-1), self.dtype)
+        return mtp_forward(w.mtp, w.embed, self.config, cache, input_ids, prev_hidden, positions, tables, cos, sin,
+                           selected, valid)
+
+    def _graph(self) -> GraphWeights:
         if self.graph_unsupported is not None:
             raise ValueError(f"model: decode cannot run {self.graph_unsupported}")
         if self._graph_weights is None or self._graph_weights.stale:
             self._graph_weights = GraphWeights.of(self)
-        cos, sin = self.rope.cos_sin(positions.reshape(-1), self.dtype)
-        normed = decode_forward(self._graph_weights, self.config, cache, input_ids, positions, tables, cos, sin)
-        return self._graph_weights.head(normed).float(), normed
+        return self._graph_weights
 
     def mtp_step(
         self, ctx: ForwardContext, prev_hidden: torch.Tensor, topk_in: list[torch.Tensor] | None = None

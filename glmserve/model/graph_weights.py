@@ -3,7 +3,7 @@
 Plain tensors, so the decode pass makes no module calls and checks no per-layer caches: the model's
 own parameters, or for the fused and folded projections the same caches the layers build
 (FusedLinear's concatenation, AbsorbedProjections' folded query and output), so both paths compute
-with exactly those weights; matmul weights as PackedLinear (the same bits, laid out once for oneDNN). `GlmForCausalLM.decode` takes them again when `stale` (a main-layer
+with exactly those weights; matmul weights as PackedLinear (the same bits, laid out once for oneDNN). `GlmForCausalLM.decode` takes them again when `stale` (a layer's
 parameter changed in place or its storage changed; a layer module replaced after the first
 decode is not seen).
 """
@@ -55,12 +55,23 @@ class LayerWeights:
 
 
 @dataclass(frozen=True)
+class MtpWeights:
+    """The MTP layer as `mtp_forward` reads it: the input norms and their fusion, then the decoder layer
+    (its head runs as a module: `GlmForCausalLM.mtp_logits`)."""
+    enorm: torch.Tensor
+    hnorm: torch.Tensor
+    eh_proj: PackedLinear
+    layer: LayerWeights
+
+
+@dataclass(frozen=True)
 class GraphWeights:
     embed: torch.Tensor
     layers: tuple[LayerWeights, ...]
     norm: torch.Tensor
     head: PackedLinear  # the LM head
-    sources: tuple[torch.Tensor, ...]  # the main layers' parameters these were taken from
+    mtp: MtpWeights | None  # None: the model has no MTP layer
+    sources: tuple[torch.Tensor, ...]  # the parameters these were taken from
     key: tuple  # their version_key when taken
 
     @property
@@ -89,14 +100,22 @@ class GraphWeights:
         with torch.inference_mode(False), torch.no_grad():
             numbered = _numbered_layers(model)
             layers = tuple(_layer(i, layer, prepack) for i, layer in numbered)
+            mtp = _mtp(model, prepack) if model.has_mtp else None
+            numbered += [(model.config.mtp_layer_index, model.mtp)] if model.has_mtp else []
             sources = tuple(p for _, layer in numbered for p in layer.parameters())
             sources += (model.model.embed_tokens.weight, model.model.norm.weight, model.lm_head.weight)
             return cls(model.model.embed_tokens.weight, layers, model.model.norm.weight,
-                       PackedLinear.of(model.lm_head.weight, prepack), sources, version_key(list(sources)))
+                       PackedLinear.of(model.lm_head.weight, prepack), mtp, sources, version_key(list(sources)))
 
 
 def _numbered_layers(model: GlmForCausalLM):
     return [(i, model.model.layers[str(i)]) for i in model.layer_range]
+
+
+def _mtp(model: GlmForCausalLM, prepack: bool) -> MtpWeights:
+    m = model.mtp
+    return MtpWeights(m.enorm.weight, m.hnorm.weight, PackedLinear.of(m.eh_proj.weight, prepack),
+                      _layer(model.config.mtp_layer_index, m, prepack))
 
 
 def _layer(index: int, layer, prepack: bool) -> LayerWeights:
