@@ -21,8 +21,6 @@ import time
 from pathlib import Path
 from statistics import median
 
-import torch
-
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
@@ -32,6 +30,7 @@ from bench.common import RunMonitor, markdown_table, print_header, rotated, setu
 from glmserve.core.generation import SamplingParams  # noqa: E402
 from glmserve.engine.engine import Engine, EngineConfig  # noqa: E402
 from glmserve.engine.engine_stats import EngineStats  # noqa: E402
+from glmserve.model.dtype_choice import resolve_dtype  # noqa: E402
 from glmserve.model.loader import load_model  # noqa: E402
 from glmserve.model.revision import model_revision  # noqa: E402
 from glmserve.text.tokenizer import Tokenizer  # noqa: E402
@@ -45,6 +44,7 @@ def str_list(text: str) -> list[str]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="models/glm52-tiny")
+    p.add_argument("--dtype", default="auto", help="auto (the CPU's fast dtype, what the engine runs), float32 or bfloat16")
     p.add_argument("--batches", type=lambda t: [int(v) for v in str_list(t)], default=[1, 32])
     p.add_argument("--configs", type=str_list, default=["off", "auto", "1", "2", "3"])
     p.add_argument("--kinds", type=str_list, default=["code", "chat"])
@@ -129,7 +129,8 @@ def main(argv: list[str] | None = None) -> None:
     setup(args.threads, args.seed)
     monitor = RunMonitor()
     tokenizer = Tokenizer.from_dir(args.model)
-    model, revision = load_model(args.model, dtype=torch.float32), model_revision(args.model)
+    dtype = resolve_dtype(args.dtype)
+    model, revision = load_model(args.model, dtype=dtype), model_revision(args.model)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=args.ignore_eos)
     warm_params = SamplingParams(max_tokens=args.warmup_tokens, temperature=0.0, ignore_eos=True)
     makers = {"code": lambda tok, n, seed: code_prompts(tok, n, 128, 256, seed), "chat": chat_prompts}
@@ -163,7 +164,7 @@ def main(argv: list[str] | None = None) -> None:
         monitor,
     )
     print(
-        f"- model: `{args.model}` (float32); greedy, up to {args.max_tokens} tokens per request"
+        f"- model: `{args.model}`, dtype {dtype} (`--dtype {args.dtype}`); greedy, up to {args.max_tokens} tokens per request"
         f"{' (eos ignored)' if args.ignore_eos else ' (stops at eos)'}; prefix caching off; each configuration "
         f"on its own engine after a warm-up run ({args.warmup_tokens} tokens, other prompts, same batch); "
         f"batch 1 = {args.b1_requests} requests one after another; {args.rounds} timed rounds with the "

@@ -133,21 +133,19 @@ class ModelRunner:
         starts = [s + n for s, n in zip(starts, kv_rows, strict=True)]
         hidden = [h[n:] for h, n in zip(hidden, kv_rows, strict=True)]
         if self.model.decodes_queries(max(len(t) for t in tokens)):
-            last, topk = self._mtp_graph(reqs, starts, hidden, tokens, topk_in)
-        else:
-            batch = self._batch(tokens, starts, reqs)
-            out, topks = self.model.mtp_step(self.model.context(batch, self.cache), torch.cat(hidden), topk_in)
-            last = out[torch.tensor([len(t) for t in tokens]).cumsum(0) - 1]
-            topk = [k[-1:] for k in topks]
-        return MtpResult(last, self.model.mtp_logits(last).float(), topk)
+            return self._mtp_graph(reqs, starts, hidden, tokens, topk_in)
+        batch = self._batch(tokens, starts, reqs)
+        out, topks = self.model.mtp_step(self.model.context(batch, self.cache), torch.cat(hidden), topk_in)
+        last = out[torch.tensor([len(t) for t in tokens]).cumsum(0) - 1]
+        return MtpResult(last, self.model.mtp_logits(last).float(), [k[-1:] for k in topks])
 
-    def _mtp_graph(self, reqs, starts, hidden, tokens, topk_in) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """(each item's last output row [B, H], its [1, k] selection) through `mtp_decode`, one pass per
-        number of positions."""
+    def _mtp_graph(self, reqs, starts, hidden, tokens, topk_in) -> MtpResult:
+        """`run_mtp` through `mtp_decode`, one pass per number of positions."""
         by_len: dict[int, list[int]] = {}
         for i, t in enumerate(tokens):
             by_len.setdefault(len(t), []).append(i)
         last: list[torch.Tensor] = [None] * len(reqs)  # type: ignore[list-item]
+        logits: list[torch.Tensor] = [None] * len(reqs)  # type: ignore[list-item]
         topk: list[torch.Tensor] = [None] * len(reqs)  # type: ignore[list-item]
         for s, items in by_len.items():
             ids = torch.tensor([tokens[i] for i in items], dtype=torch.int64)
@@ -157,10 +155,9 @@ class ModelRunner:
                                   dtype=torch.int64)
             given = None if topk_in is None else [topk_in[i] for i in items]
             selected, valid = (None, None) if given is None else pad_topk(given)
-            out, used = self.model.mtp_decode(self.cache, ids, torch.cat([hidden[i] for i in items]), positions,
-                                              tables, selected, valid)
-            out = out.view(len(items), s, -1)[:, -1]
+            out, draft_logits, used = self.model.mtp_decode(self.cache, ids, torch.cat([hidden[i] for i in items]),
+                                                            positions, tables, selected, valid)
             used = given or split_topk(used, self.model.config.index_topk, (positions[:, -1] + 1).tolist())
             for j, i in enumerate(items):
-                last[i], topk[i] = out[j], used[j][-1:]
-        return torch.stack(last), topk
+                last[i], logits[i], topk[i] = out[j], draft_logits[j], used[j][-1:]
+        return MtpResult(torch.stack(last), torch.stack(logits), topk)

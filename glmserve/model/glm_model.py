@@ -20,7 +20,7 @@ from glmserve.model.forward_batch import ForwardBatch
 from glmserve.model.forward_context import ForwardContext
 from glmserve.model.graph_weights import GraphWeights
 from glmserve.model.mtp import MtpLayer
-from glmserve.model.norms import RMSNorm
+from glmserve.model.norms import RMSNorm, rms_norm
 from glmserve.model.paged_cache import PagedKVCache
 from glmserve.model.rope import Rope
 
@@ -144,15 +144,18 @@ class GlmForCausalLM(nn.Module):
 
     def mtp_decode(self, cache: PagedKVCache, input_ids: torch.Tensor, prev_hidden: torch.Tensor,
                    positions: torch.Tensor, tables: torch.Tensor, selected: torch.Tensor | None = None,
-                   valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`mtp_step` of B sequences of S positions each in one function (tokens t+1 `input_ids` and
-        positions t [B, S], prev_hidden [B * S, hidden], block tables [B, W]): (the layer's output
-        [B * S, hidden], the positions [B, S, K] its queries attended). `selected` / `valid`: an earlier
-        step's selection to reuse (decode_forward.mtp_forward)."""
+        positions t [B, S], prev_hidden [B * S, hidden], block tables [B, W]), then `mtp_logits` of each
+        sequence's last position: (its output [B, hidden], its draft logits [B, V] float32, the positions
+        [B, S, K] the queries attended). `selected` / `valid`: an earlier step's selection to reuse
+        (decode_forward.mtp_forward)."""
         w = self._graph()
         cos, sin = self.rope.cos_sin(positions.reshape(-1), self.dtype)
-        return mtp_forward(w.mtp, w.embed, self.config, cache, input_ids, prev_hidden, positions, tables, cos, sin,
-                           selected, valid)
+        out, used = mtp_forward(w.mtp, w.embed, self.config, cache, input_ids, prev_hidden, positions, tables, cos,
+                                sin, selected, valid)
+        last = out.view(*positions.shape, -1)[:, -1]
+        return last, w.mtp.head(rms_norm(last, w.mtp.norm, self.config.rms_norm_eps)).float(), used
 
     def _graph(self) -> GraphWeights:
         if self.graph_unsupported is not None:

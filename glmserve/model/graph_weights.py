@@ -56,12 +56,14 @@ class LayerWeights:
 
 @dataclass(frozen=True)
 class MtpWeights:
-    """The MTP layer as `mtp_forward` reads it: the input norms and their fusion, then the decoder layer
-    (its head runs as a module: `GlmForCausalLM.mtp_logits`)."""
+    """The MTP layer as `mtp_forward` reads it: the input norms and their fusion, the decoder layer, its
+    head (norm and projection)."""
     enorm: torch.Tensor
     hnorm: torch.Tensor
     eh_proj: PackedLinear
     layer: LayerWeights
+    norm: torch.Tensor  # the shared head's norm
+    head: PackedLinear  # the shared head's own projection, or the LM head
 
 
 @dataclass(frozen=True)
@@ -100,22 +102,25 @@ class GraphWeights:
         with torch.inference_mode(False), torch.no_grad():
             numbered = _numbered_layers(model)
             layers = tuple(_layer(i, layer, prepack) for i, layer in numbered)
-            mtp = _mtp(model, prepack) if model.has_mtp else None
+            head = PackedLinear.of(model.lm_head.weight, prepack)
+            mtp = _mtp(model, head, prepack) if model.has_mtp else None
             numbered += [(model.config.mtp_layer_index, model.mtp)] if model.has_mtp else []
             sources = tuple(p for _, layer in numbered for p in layer.parameters())
             sources += (model.model.embed_tokens.weight, model.model.norm.weight, model.lm_head.weight)
-            return cls(model.model.embed_tokens.weight, layers, model.model.norm.weight,
-                       PackedLinear.of(model.lm_head.weight, prepack), mtp, sources, version_key(list(sources)))
+            return cls(model.model.embed_tokens.weight, layers, model.model.norm.weight, head, mtp, sources,
+                       version_key(list(sources)))
 
 
 def _numbered_layers(model: GlmForCausalLM):
     return [(i, model.model.layers[str(i)]) for i in model.layer_range]
 
 
-def _mtp(model: GlmForCausalLM, prepack: bool) -> MtpWeights:
+def _mtp(model: GlmForCausalLM, lm_head: PackedLinear, prepack: bool) -> MtpWeights:
     m = model.mtp
+    own = m.shared_head.head
     return MtpWeights(m.enorm.weight, m.hnorm.weight, PackedLinear.of(m.eh_proj.weight, prepack),
-                      _layer(model.config.mtp_layer_index, m, prepack))
+                      _layer(model.config.mtp_layer_index, m, prepack), m.shared_head.norm.weight,
+                      lm_head if own is None else PackedLinear.of(own.weight, prepack))
 
 
 def _layer(index: int, layer, prepack: bool) -> LayerWeights:

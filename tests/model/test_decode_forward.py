@@ -105,42 +105,47 @@ def _mtp_model(variant: str) -> GlmForCausalLM:
 
 
 def _mtp_step(model, lengths: list[int], queries: int, graph: bool, shared: list[torch.Tensor] | None = None):
-    """(the MTP layer's output, the selection per sequence, the cache) of `queries` positions after each
-    prompt, whose earlier MTP KV was stored position by position through the layers."""
+    """(the MTP layer's output at each sequence's last position, its draft logits, the selection per
+    sequence, the cache) of `queries` positions after each prompt, whose earlier MTP KV was stored
+    through the layers."""
     layout = KVLayout.for_config(model.config, block_size=BLOCK, dtype=torch.float32, with_mtp=True)
     cache = PagedKVCache(layout, num_blocks=NUM_BLOCKS)
     n = len(lengths)
     tables = [list(range(i, NUM_BLOCKS, n)) for i in range(n)]
-    prompts = [_prompt(k + queries, seed=k) for k in lengths]
+    prompts = [_prompt(k + queries + 1, seed=k) for k in lengths]
     hidden = torch.randn(sum(lengths) + n * queries, model.config.hidden_size, generator=torch.Generator().manual_seed(4))
-    per_seq = list(hidden.split([k + queries for k in lengths]))
+    seqs = list(zip(prompts, lengths, hidden.split([k + queries for k in lengths]), strict=True))
     with torch.inference_mode():
-        known = ForwardBatch.build([p[1 : k + 1] for p, k in zip(prompts, lengths)], [0] * n, tables, BLOCK)
-        model.mtp_step_kv(model.context(known, cache), torch.cat([h[:k] for h, k in zip(per_seq, lengths)]))
-        ids = torch.tensor([p[k + 1 : k + 1 + queries] + [7] * (k + 1 + queries - len(p)) for p, k in zip(prompts, lengths)])
-        rows = torch.cat([h[k:] for h, k in zip(per_seq, lengths)])
+        known = ForwardBatch.build([p[1 : k + 1] for p, k, _ in seqs], [0] * n, tables, BLOCK)
+        model.mtp_step_kv(model.context(known, cache), torch.cat([h[:k] for _, k, h in seqs]))
+        ids = torch.tensor([p[k + 1 : k + 1 + queries] for p, k, _ in seqs])
+        rows = torch.cat([h[k:] for _, k, h in seqs])
         if graph:
             width = min(map(len, tables))
             positions = torch.tensor(lengths)[:, None] + torch.arange(queries)
             selected, valid = (None, None) if shared is None else pad_topk(shared)
-            out, used = model.mtp_decode(cache, ids, rows, positions, torch.tensor([t[:width] for t in tables]), selected, valid)
+            tables = torch.tensor([t[:width] for t in tables])
+            last, logits, used = model.mtp_decode(cache, ids, rows, positions, tables, selected, valid)
             topk = shared or split_topk(used, model.config.index_topk, (positions[:, -1] + 1).tolist())
         else:
             batch = ForwardBatch.build(ids.tolist(), lengths, tables, BLOCK)
             out, topk = model.mtp_step(model.context(batch, cache), rows, shared)
-    return out, topk, cache.buffer
+            last = out.view(n, queries, -1)[:, -1]
+            logits = model.mtp_logits(last)
+    return last, logits, topk, cache.buffer
 
 
 @pytest.mark.parametrize("variant", ["glm52_schedule", "very_sparse"])
 @pytest.mark.parametrize("queries", [1, 2])
 def test_mtp_decode_equals_the_layer(variant, queries):
-    # The MTP layer in one function (the drafter's path) against MtpLayer.step: outputs, the selection
+    # The MTP layer in one function (the drafter's path) against MtpLayer.step: outputs, logits, the selection
     # each sequence's queries used, and the KV it stored; contexts within index_topk and beyond.
     model = _mtp_model(variant)
     lengths = [5, 40, 63, 70, 131]
-    layer_out, layer_topk, layer_cache = _mtp_step(model, lengths, queries, graph=False)
-    graph_out, graph_topk, graph_cache = _mtp_step(model, lengths, queries, graph=True)
+    layer_out, layer_logits, layer_topk, layer_cache = _mtp_step(model, lengths, queries, graph=False)
+    graph_out, graph_logits, graph_topk, graph_cache = _mtp_step(model, lengths, queries, graph=True)
     assert (graph_out - layer_out).abs().max() < 1e-4
+    assert (graph_logits - layer_logits).abs().max() < 1e-4
     assert all(torch.equal(a, b) for a, b in zip(graph_topk, layer_topk, strict=True))
     assert (graph_cache - layer_cache).abs().max() < 1e-4
 
@@ -151,8 +156,8 @@ def test_mtp_decode_reuses_a_given_selection():
     model = _mtp_model("very_sparse")
     lengths = [40, 70, 131]
     shared = [torch.arange(0, n, 3)[None] for n in (14, 20, 30)]
-    layer_out, _, _ = _mtp_step(model, lengths, 1, graph=False, shared=shared)
-    graph_out, _, _ = _mtp_step(model, lengths, 1, graph=True, shared=shared)
-    own_out, _, _ = _mtp_step(model, lengths, 1, graph=True)
+    layer_out, *_ = _mtp_step(model, lengths, 1, graph=False, shared=shared)
+    graph_out, *_ = _mtp_step(model, lengths, 1, graph=True, shared=shared)
+    own_out, *_ = _mtp_step(model, lengths, 1, graph=True)
     assert (graph_out - layer_out).abs().max() < 1e-4
     assert (graph_out - own_out).abs().max() > 1e-3
