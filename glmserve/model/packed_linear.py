@@ -9,8 +9,8 @@ the same bits.
 A float32 `F.linear` runs MKL, which reads the [out, in] weight across its rows: with a few rows of
 input and a weight out of cache, 1.4-2x slower than oneDNN on the prepacked weight (AVX2, 8 rows x
 256 -> 2,304: 503 against 257 us; the LM head 1,782 against 902 us). oneDNN's sums differ from MKL's in
-the last bits (~1e-7 relative), and unlike MKL's they do not depend on how many rows a call has, so
-a row's result is the same in a decode step, a verification step or alone.
+the last bits (~1e-7 relative), and unlike MKL's they do not depend on how many rows a call has, up
+to MAX_ROWS: so a row's result is the same in a decode step, a verification step or alone.
 """
 
 from __future__ import annotations
@@ -20,6 +20,14 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+
+# oneDNN gives a row the same bits in any call of up to 32 rows; with 33-128 rows and 512 inputs or more
+# (the bundled model's output and down projections) it sums some rows in another order (bf16, AMX Xeon).
+# A batch-32 verification step (64 rows) then disagreed in the last bit with the decode step it
+# verifies (32 rows), and greedy speculative output with plain greedy output (1 request in 32). Calls
+# with more rows run in blocks of MAX_ROWS; only decode and verification steps come here.
+MAX_ROWS = 32
 
 
 @dataclass(frozen=True)
@@ -34,6 +42,11 @@ class PackedLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None or x.dtype != self.weight.dtype:
             return F.linear(x, self.weight)
+        if x.shape[0] <= MAX_ROWS:
+            return self._product(x)
+        return torch.cat([self._product(rows) for rows in x.split(MAX_ROWS)])
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
 
     def __deepcopy__(self, memo: dict) -> PackedLinear:

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 from engine_fixtures import prompts, random_model
 
 from glmserve.core.generation import SamplingParams
 from glmserve.engine.engine import Engine, EngineConfig
-from glmserve.model.loader import FP32_SUFFIXES
+from glmserve.model.dtype_choice import auto_dtype
+from glmserve.model.loader import FP32_SUFFIXES, load_model
+from glmserve.text.tokenizer import Tokenizer
+from tests.model.conftest import BUNDLED_DIR
+from tools import tiny_corpus
 
 
 @pytest.fixture(scope="module")
@@ -35,3 +41,28 @@ def test_bf16_speculative_equals_non_speculative(bf16_model, mtp):
     assert spec == plain
     if mtp != "auto":
         assert engine.stats.draft_tokens > 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(auto_dtype() != torch.bfloat16, reason="bfloat16 is not this CPU's engine dtype")
+def test_bundled_model_at_batch_32_speculates_losslessly():
+    # 32 code prompts at once: verification steps of 64 rows against decode steps of 32, where oneDNN
+    # summed rows of 33+ row products in another order (fixed by PackedLinear.MAX_ROWS); 1 request in
+    # 32 diverged before. The same outputs off, with one draft and with the adaptive policy.
+    if not (BUNDLED_DIR / "model.safetensors").exists():
+        pytest.skip("bundled model missing")
+    model = load_model(BUNDLED_DIR, dtype=torch.bfloat16)
+    tokenizer = Tokenizer.from_dir(BUNDLED_DIR)
+    ids = [tokenizer.encode(text) for text in tiny_corpus.stdlib_texts("heldout")]
+    rng = random.Random(0)
+    ps = []
+    for i in range(32):
+        doc = [d for d in ids if len(d) >= 512][i % 8]
+        start = rng.randrange(len(doc) - 256)
+        ps.append(doc[start : start + rng.randint(128, 256)])
+    params = SamplingParams(max_tokens=64, temperature=0.0)
+    outputs = {}
+    for mtp in ("off", 1):
+        engine = Engine(model, EngineConfig(mtp=mtp, prefix_caching=False))
+        outputs[mtp] = [r.output_ids for r in engine.generate(ps, params)]
+    assert outputs[1] == outputs["off"]
