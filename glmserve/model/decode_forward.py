@@ -26,6 +26,7 @@ from glmserve.model.mlp import silu_mul
 from glmserve.model.norms import rms_norm
 from glmserve.model.paged_cache import PagedKVCache
 from glmserve.model.rope import apply_rope
+from glmserve.model.row_linear import row_linear
 
 
 def decode_forward(
@@ -128,7 +129,7 @@ def _select(layer: LayerWeights, h, q_resid, cache: PagedKVCache, tables, positi
     """[B, S, index_topk] positions each query attends, as `MLAttention._group_select` selects them."""
     ix = layer.indexer
     b, s = positions.shape
-    q, weights = ix.queries_from(q_resid, ix.weights_proj(h.to(ix.weights_proj.weight.dtype)), cos, sin)
+    q, weights = ix.queries_from(q_resid, row_linear(h.to(ix.weights_proj.weight.dtype), ix.weights_proj.weight), cos, sin)
     keys = PagedKVCache.gather_blocks(cache.index_key_view(layer.index), tables).view(b, -1, ix.head_dim)
     return ix.select(ix.scores(q.view(b, s, *q.shape[1:]), weights.view(b, s, -1), keys, positions))
 

@@ -8,6 +8,7 @@ from torch import nn
 
 from glmserve.model.config import GlmConfig
 from glmserve.model.mlp import GatedMLP, silu_mul
+from glmserve.model.row_linear import row_linear
 
 # Rows per expert up to which all experts run as one padded batched matmul, while the padded batch
 # (every expert padded to the busiest one's rows, idle ones included) stays within PAD_LIMIT times
@@ -44,7 +45,7 @@ class TopkRouter(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Returns (router logits [N, E], weights [N, k], expert ids [N, k])."""
         c = self.config
-        logits = F.linear(x.float(), self.weight.float())
+        logits = row_linear(x.float(), self.weight.float())
         scores = logits.sigmoid()
         choice = scores + self.e_score_correction_bias.float()
         if c.n_group > 1:
