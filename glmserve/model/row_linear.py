@@ -5,7 +5,7 @@ kernels sum in different orders, so a token's router logits differed in the last
 decode step of 32 rows and a verification group of 5. A top-k choice at a near-tie then flips, and
 speculative greedy output no longer equals plain greedy output (1 request of 32 in bf16, bundled
 model). As a batch of one-row products every row takes the same kernel: the same bits at any batch
-size, for ~6 us more per call on a router's [64, 256] x [256, 8].
+size, for ~4 us more per call on a router's [32, 256] x [256, 8] (8.8 against 4.8 us).
 """
 
 from __future__ import annotations
