@@ -63,9 +63,7 @@ class ModelRunner:
         s = work[items[0]].num_new
         ids = torch.tensor([[r.token_ids[-1], *r.drafts][:s] for r in reqs], dtype=torch.int64)
         positions = torch.tensor([r.num_computed for r in reqs], dtype=torch.int64)[:, None] + torch.arange(s)
-        width = max(len(r.block_ids) for r in reqs)
-        tables = torch.tensor([r.block_ids + [0] * (width - len(r.block_ids)) for r in reqs], dtype=torch.int64)
-        logits, normed = self.model.decode(self.cache, ids, positions, tables)
+        logits, normed = self.model.decode(self.cache, ids, positions, _tables(reqs))
         for j, i in enumerate(items):
             result.hidden[i] = normed[j * s : (j + 1) * s]
             result.logits[i] = logits[j * s : (j + 1) * s]
@@ -150,14 +148,18 @@ class ModelRunner:
         for s, items in by_len.items():
             ids = torch.tensor([tokens[i] for i in items], dtype=torch.int64)
             positions = torch.tensor([starts[i] for i in items], dtype=torch.int64)[:, None] + torch.arange(s)
-            width = max(len(reqs[i].block_ids) for i in items)
-            tables = torch.tensor([reqs[i].block_ids + [0] * (width - len(reqs[i].block_ids)) for i in items],
-                                  dtype=torch.int64)
             given = None if topk_in is None else [topk_in[i] for i in items]
             selected, valid = (None, None) if given is None else pad_topk(given)
             out, draft_logits, used = self.model.mtp_decode(self.cache, ids, torch.cat([hidden[i] for i in items]),
-                                                            positions, tables, selected, valid)
+                                                            positions, _tables([reqs[i] for i in items]),
+                                                            selected, valid)
             used = given or split_topk(used, self.model.config.index_topk, (positions[:, -1] + 1).tolist())
             for j, i in enumerate(items):
                 last[i], logits[i], topk[i] = out[j], draft_logits[j], used[j][-1:]
         return MtpResult(torch.stack(last), torch.stack(logits), topk)
+
+
+def _tables(reqs: list[Request]) -> torch.Tensor:
+    """[B, W] block tables, padded with block 0 to the longest (padding lies after every context)."""
+    width = max(len(r.block_ids) for r in reqs)
+    return torch.tensor([r.block_ids + [0] * (width - len(r.block_ids)) for r in reqs], dtype=torch.int64)
