@@ -3,7 +3,7 @@
 Plain tensors, so the decode pass makes no module calls and checks no per-layer caches: the model's
 own parameters, or for the fused and folded projections the same caches the layers build
 (FusedLinear's concatenation, AbsorbedProjections' folded query and output), so both paths compute
-with exactly those weights; matmul weights as PackedLinear (the same bits, laid out once for oneDNN). `GlmForCausalLM.decode` takes them again when `stale` (a layer's
+with exactly those weights; matmul weights as PackedLinear (the same bits, laid out once for oneDNN). `GlmForCausalLM.decode` and `mtp_decode` take them again when `stale` (a layer's
 parameter changed in place or its storage changed; a layer module replaced after the first
 decode is not seen).
 """
