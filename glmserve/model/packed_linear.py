@@ -21,7 +21,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-
 # oneDNN gives a row the same bits in any call of up to 32 rows; with 33-128 rows and 512 inputs or more
 # (the bundled model's output and down projections) it sums some rows in another order (bf16, AMX Xeon).
 # A batch-32 verification step (64 rows) then disagreed in the last bit with the decode step it
