@@ -32,8 +32,10 @@ from glmserve.model.rope import apply_rope
 ABSORBED_MAX_QUERIES = 16
 # Prefill over a context up to this many times the selection runs dense (SDPA, masked to the
 # selection): gathering k rows per query costs more than attending to all T keys while T is short
-# (512-token prompts of the bundled model: 5.6x the TTFT of dense in bench_vllm_peer).
-DENSE_MAX_CONTEXT = 4
+# (512-token prompts of the bundled model: 5.6x the TTFT of dense in bench_vllm_peer). Bundled model,
+# bf16, 1 thread, prefill ms at 4 / 16 / 32: 1,024 tokens 266 / 202 / 201, 2,048 tokens 574 / 509 /
+# 510, 3,072 tokens (chunks of 2,048) 947 / 928 / 984.
+DENSE_MAX_CONTEXT = 16
 
 
 class MLAttention(nn.Module):

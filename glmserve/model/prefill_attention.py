@@ -90,13 +90,16 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
     of 128; see docs/benchmarks.md).
     """
     s = q.shape[0]
-    qs, ks, vs = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
-    out = q.new_empty(q.shape[1], s, v.shape[-1])
+    # 4-D [1, H, S, E]: PyTorch's fused CPU kernel takes only 4-D inputs; 3-D ones fall back to its
+    # unfused math path (4.5x slower in bf16 at 512 tokens, 2.4x in float32).
+    qs, ks, vs = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+    out = q.new_empty(1, q.shape[1], s, v.shape[-1])
     for a in range(0, s, DENSE_QUERY_TILE):
         b = min(a + DENSE_QUERY_TILE, s)
         end = int(positions[b - 1]) + 1  # keys from here on are later than every query of the tile
         mask = torch.arange(end, device=positions.device) <= positions[a:b].unsqueeze(-1)
         if chosen is not None:
             mask &= chosen[a:b, :end]
-        out[:, a:b] = F.scaled_dot_product_attention(qs[:, a:b], ks[:, :end], vs[:, :end], attn_mask=mask, scale=scale)
-    return out.transpose(0, 1)
+        out[:, :, a:b] = F.scaled_dot_product_attention(qs[:, :, a:b], ks[:, :, :end], vs[:, :, :end],
+                                                         attn_mask=mask, scale=scale)
+    return out[0].transpose(0, 1)

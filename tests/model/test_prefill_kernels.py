@@ -7,6 +7,7 @@ import pytest
 import torch
 from reference import config_dict
 
+import glmserve.model.attention as attention_module
 import glmserve.model.indexer as indexer_module
 import glmserve.model.prefill_attention as prefill_module
 from glmserve.model.config import GlmConfig
@@ -36,9 +37,11 @@ def _chunked_logits(model, prompt, chunk, tables, **flags):
     return torch.cat(out)
 
 
+@pytest.mark.parametrize("dense_max_context", [1, attention_module.DENSE_MAX_CONTEXT])  # sparse kernel; the default
 @pytest.mark.parametrize("topk", [16, 48, 400])  # very sparse, sparse, and dense (context within top-k)
 @torch.no_grad()
-def test_tiled_prefill_equals_masked_dense_reference(monkeypatch, topk):
+def test_tiled_prefill_equals_masked_dense_reference(monkeypatch, topk, dense_max_context):
+    monkeypatch.setattr(attention_module, "DENSE_MAX_CONTEXT", dense_max_context)
     monkeypatch.setattr(prefill_module, "TILE_VALUES", 3000)  # tiles of a few queries
     monkeypatch.setattr(indexer_module, "SELECT_TILE_VALUES", 5000)
     model = _model(topk)
