@@ -79,9 +79,9 @@ def sparse_latent_attention(
 
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                    scale: float, chosen: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal attention of S queries (positions [S], the last S of the context) over T keys,
-    restricted to `chosen` [S, T] (bool) when given.
+                    scale: float, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of S queries (positions [S], the last S of the context) over T keys; with
+    `mask` [S, T] (additive: 0 or -inf, causal already) in its place, restricted to a selection.
 
     q [S, H, E], k [T, H, E], v [T, H, Ev] -> [S, H, Ev], with PyTorch's fused kernel. A chunk that is
     the whole context with no selection is one causal call. Otherwise query tile by query tile, with
@@ -89,7 +89,7 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
     first query with the first key, so it cannot mask a chunk after cached context).
     """
     s = q.shape[0]
-    if chosen is None and k.shape[0] == s and int(positions[0]) == 0:  # the whole causal square, no selection
+    if mask is None and k.shape[0] == s and int(positions[0]) == 0:  # the whole causal square, no selection
         # One call: with `is_causal` the kernel skips the key blocks after each query block and needs no
         # mask (bf16, 2,048 queries: 8.5 against 16.7 ms in tiles; the same bits).
         return F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
@@ -101,9 +101,10 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
     for a in range(0, s, DENSE_QUERY_TILE):
         b = min(a + DENSE_QUERY_TILE, s)
         end = int(positions[b - 1]) + 1  # keys from here on are later than every query of the tile
-        mask = torch.arange(end, device=positions.device) <= positions[a:b].unsqueeze(-1)
-        if chosen is not None:
-            mask &= chosen[a:b, :end]
+        if mask is None:
+            tile_mask = torch.arange(end, device=positions.device) <= positions[a:b].unsqueeze(-1)
+        else:
+            tile_mask = mask[a:b, :end]
         out[:, :, a:b] = F.scaled_dot_product_attention(qs[:, :, a:b], ks[:, :, :end], vs[:, :, :end],
-                                                         attn_mask=mask, scale=scale)
+                                                         attn_mask=tile_mask, scale=scale)
     return out[0].transpose(0, 1)
