@@ -83,20 +83,21 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
     """Causal attention of S queries (positions [S], the last S of the context) over T keys; with
     `mask` [S, T] (additive: 0 or -inf, causal already) in its place, restricted to a selection.
 
-    q [S, H, E], k [T, H, E], v [T, H, Ev] -> [S, H, Ev], with PyTorch's fused kernel. A chunk that is
-    the whole context with no selection is one causal call. Otherwise query tile by query tile, with
-    a mask: each tile reads only the keys up to its last query (the kernel's `is_causal` aligns the
-    first query with the first key, so it cannot mask a chunk after cached context).
+    q [S, H, E], k [T, H, E], v [T, H, Ev] -> [S, H, Ev], with PyTorch's fused kernel. With no selection,
+    causal calls without a mask (`_causal_after_prefix` where context is cached before the chunk: the
+    kernel's `is_causal` aligns the first query with the first key). With a selection (or unequal head
+    sizes after a prefix), query tile by query tile: each tile reads only the keys up to its last query.
     """
     s = q.shape[0]
-    if mask is None and k.shape[0] == s and int(positions[0]) == 0:  # the whole causal square, no selection
-        # One call: with `is_causal` the kernel skips the key blocks after each query block and needs no
-        # mask (bf16, 2,048 queries: 8.5 against 16.7 ms in tiles; the same bits).
-        return F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
-                                              v.transpose(0, 1).unsqueeze(0), is_causal=True, scale=scale)[0].transpose(0, 1)
     # 4-D [1, H, S, E]: PyTorch's fused CPU kernel takes only 4-D inputs; 3-D ones fall back to its
     # unfused math path (4.5x slower in bf16 at 512 tokens, 2.4x in float32).
     qs, ks, vs = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+    if mask is None:  # no selection: causal calls, no mask (bf16, 2,048 queries: 8.5 against 16.7 ms in tiles)
+        prefix = k.shape[0] - s
+        if prefix == 0:
+            return F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale)[0].transpose(0, 1)
+        if q.shape[-1] == v.shape[-1]:  # the kernel's own op takes one head size (SDPA falls back otherwise)
+            return _causal_after_prefix(qs, ks, vs, prefix, scale)[0].transpose(0, 1)
     out = q.new_empty(1, q.shape[1], s, v.shape[-1])
     for a in range(0, s, DENSE_QUERY_TILE):
         b = min(a + DENSE_QUERY_TILE, s)
@@ -108,3 +109,18 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
         out[:, :, a:b] = F.scaled_dot_product_attention(qs[:, :, a:b], ks[:, :, :end], vs[:, :, :end],
                                                          attn_mask=tile_mask, scale=scale)
     return out[0].transpose(0, 1)
+
+
+def _causal_after_prefix(qs: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, prefix: int,
+                         scale: float) -> torch.Tensor:
+    """Causal attention [1, H, S, Ev] of a chunk's S queries after `prefix` cached positions: the prefix
+    (visible to every query, no mask) and the chunk's own keys (the kernel's `is_causal`, aligned with
+    them) in two calls, merged by their log-sum-exps. 1.4-1.75x faster than masked tiles (2,048 queries
+    after 2,048 or 512 cached, 256 after 1,280). The public SDPA does not return the log-sum-exp, hence
+    the kernel's own op (torch is pinned)."""
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    before, lse_before = flash(qs, ks[:, :, :prefix], vs[:, :, :prefix], 0.0, False, scale=scale)
+    own, lse_own = flash(qs, ks[:, :, prefix:], vs[:, :, prefix:], 0.0, True, scale=scale)
+    lse = torch.logaddexp(lse_before, lse_own)
+    out = before.float().mul_((lse_before - lse).exp_().unsqueeze(-1))
+    return out.add_(own.float().mul_((lse_own - lse).exp_().unsqueeze(-1))).to(qs.dtype)

@@ -71,3 +71,20 @@ def test_tiled_selection_equals_selection_over_all_scores_with_ties(monkeypatch)
         w = torch.randn(new, 2, generator=g).abs().round()
         expected = indexer.select(indexer.scores(q, w, keys, positions), positions)
         assert torch.equal(indexer.select_tiled(q, w, keys, positions), expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cached", [0, 230])  # the chunk is the whole context; the chunk after a prefix
+@torch.no_grad()
+def test_causal_dense_attention_equals_masked_softmax(dtype, cached):
+    # Equal head sizes: the path that merges two kernel calls by their log-sum-exps runs only then.
+    g = torch.Generator().manual_seed(4)
+    s, heads, dim = 70, 4, 32
+    q, k, v = (torch.randn(n, heads, dim, generator=g).to(dtype) for n in (s, cached + s, cached + s))
+    positions = torch.arange(cached, cached + s)
+    got = prefill_module.dense_attention(q, k, v, positions, 0.3)
+    scores = torch.einsum("she,the->hst", q.float(), k.float()) * 0.3
+    scores.masked_fill_(torch.arange(cached + s) > positions[:, None], float("-inf"))
+    expected = torch.einsum("hst,the->she", scores.softmax(-1), v.float())
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), expected, rtol=tolerance, atol=tolerance)
