@@ -176,7 +176,7 @@ class MLAttention(nn.Module):
             k_nope, v = self.kv_b_proj(latent).view(t, self.heads, -1).split([self.nope_dim, self.v_dim], dim=-1)
             k = torch.cat([k_nope, k_rot.unsqueeze(1).expand(t, self.heads, self.rope_dim)], dim=-1)
             q = torch.cat([q_nope, q_rot], dim=-1)
-            mask = None if k_sel >= t else ctx.dense_mask(topk, positions, t, q.dtype)
+            mask = None if k_sel >= t else ctx.dense_mask(seq.start, topk, positions, t, q.dtype)
             return dense_attention(q, k, v, positions, self.scaling, mask).reshape(q.shape[0], -1), topk
         if ctx.cache is None:
             rows_of = flat_rows(new_kv[seq.start : seq.end])

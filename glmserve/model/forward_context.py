@@ -43,19 +43,20 @@ class ForwardContext:
             self._cache_rows = (self.batch.slots // block_size, self.batch.slots % block_size)
         return self._cache_rows
 
-    def dense_mask(self, selected: torch.Tensor, positions: torch.Tensor, context_len: int,
+    def dense_mask(self, seq: int, selected: torch.Tensor, positions: torch.Tensor, context_len: int,
                    dtype: torch.dtype) -> torch.Tensor:
-        """Additive mask [S, T] (0 where a query attends a key, -inf elsewhere) of one sequence's
-        selection `selected` [S, k] within its causal context, built once per selection: the layers
-        that share a selection share it. A float mask, not a bool one: the fused kernel converted a
-        bool mask in every call (10% of a 1,536-token prefill)."""
-        key = id(selected)
-        if key not in self._dense_masks:  # the entry holds `selected`, so its id is not reused meanwhile
+        """Additive mask [S, T] (0 where a query attends a key, -inf elsewhere) of sequence `seq`'s
+        selection `selected` [S, k] within its causal context. Built once per selection: the layers
+        that share it (consecutive) share the mask, and only a sequence's latest one is kept. A float
+        mask, not a bool one: the fused kernel converted a bool mask in every call (10% of a
+        1,536-token prefill)."""
+        held = self._dense_masks.get(seq)
+        if held is None or held[0] is not selected:
             chosen = torch.zeros(selected.shape[0], context_len, dtype=torch.bool).scatter_(1, selected, True)
             chosen &= causal_mask(positions, context_len)
-            mask = torch.zeros(chosen.shape, dtype=dtype).masked_fill_(chosen.logical_not_(), float("-inf"))
-            self._dense_masks[key] = (selected, mask)
-        return self._dense_masks[key][1]
+            held = (selected, torch.zeros(chosen.shape, dtype=dtype).masked_fill_(chosen.logical_not_(), float("-inf")))
+            self._dense_masks[seq] = held
+        return held[1]
 
     def decode_groups(self, max_queries: int) -> list[DecodeGroup]:
         """The batch's DecodeGroups (built once per pass, shared by every layer)."""
