@@ -17,6 +17,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from glmserve.model.indexer import causal_mask
 from glmserve.model.paged_cache import PagedKVCache
 
 # Values per temporary (gathered rows, scores) that a query tile aims at: ~4 MiB of fp32.
@@ -103,7 +104,7 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
         b = min(a + DENSE_QUERY_TILE, s)
         end = int(positions[b - 1]) + 1  # keys from here on are later than every query of the tile
         if mask is None:
-            tile_mask = torch.arange(end, device=positions.device) <= positions[a:b].unsqueeze(-1)
+            tile_mask = causal_mask(positions[a:b], end)
         else:
             tile_mask = mask[a:b, :end]
         out[:, :, a:b] = F.scaled_dot_product_attention(qs[:, :, a:b], ks[:, :, :end], vs[:, :, :end],
