@@ -63,7 +63,8 @@ class MLAttention(nn.Module):
     def forward(
         self, x: torch.Tensor, ctx: ForwardContext, topk_in: list[torch.Tensor] | None
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """Attention output [N, hidden] and the top-k positions each sequence's queries used.
+        """Attention output [N, hidden] and the top-k positions each sequence's queries used (ascending,
+        except where a prefill attended densely: only the set counts there).
 
         `topk_in` (one [S, k] tensor per sequence) reuses another layer's selection; without it the
         layer's own indexer selects.
@@ -166,10 +167,11 @@ class MLAttention(nn.Module):
         else:
             iq, iw, new_keys = index
             keys = self._context(ctx, seq, new_keys, self.layer_idx, "index")
-            topk = self.indexer.select_tiled(iq, iw, keys, positions)
+            masked = attends_densely(seq.context_len, min(self.indexer.index_topk, seq.context_len))
+            topk = self.indexer.select_tiled(iq, iw, keys, positions, ascending=not masked)
         w = self.kv_b_proj.weight.view(self.heads, self.nope_dim + self.v_dim, self.latent_dim)
         k_sel = topk.shape[-1]
-        if seq.context_len <= DENSE_MAX_CONTEXT * k_sel:  # short context: dense, masked to the selection
+        if attends_densely(seq.context_len, k_sel):
             kv = self._context(ctx, seq, new_kv, self.layer_idx, "latent")
             t = kv.shape[0]
             latent, k_rot = kv.to(q_nope.dtype).split([self.latent_dim, self.rope_dim], dim=-1)
@@ -336,6 +338,12 @@ def split_topk(selected: torch.Tensor, index_topk: int, context_lens: list[int])
     if min(index_topk, *context_lens) >= selected.shape[-1]:
         return list(selected.unbind(0))  # nothing to cut: one op instead of one per sequence
     return [t[:, : min(index_topk, n)] for t, n in zip(selected, context_lens, strict=True)]
+
+
+def attends_densely(context_len: int, k: int) -> bool:
+    """Whether a prefill over `context_len` positions selecting `k` attends densely, masked to the
+    selection (a short context), rather than over only the selected rows."""
+    return context_len <= DENSE_MAX_CONTEXT * k
 
 
 def pad_topk(topk: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:

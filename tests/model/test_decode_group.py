@@ -87,8 +87,8 @@ def test_grouped_attention_equals_per_sequence(monkeypatch, topk):
     assert len(model.context(batch, cache).decode_groups(16)) == 2  # 1-query and 3-query groups
     torch.testing.assert_close(grouped_hidden, alone_hidden, rtol=1e-4, atol=1e-4)  # summation order differs
     torch.testing.assert_close(grouped_cache, cache.buffer, rtol=1e-4, atol=1e-4)
-    for g, a in zip(grouped_topk, alone_topk, strict=True):
-        assert g.tolist() == a.tolist()
+    for g, a in zip(grouped_topk, alone_topk, strict=True):  # the same sets (a dense prefill's are unordered)
+        assert g.sort(-1).values.tolist() == a.sort(-1).values.tolist()
 
 
 @torch.no_grad()
