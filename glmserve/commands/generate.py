@@ -9,16 +9,15 @@ import time
 
 from glmserve.core.generation import SamplingParams
 from glmserve.engine.engine import Engine
+from glmserve.engine.engine_config import mtp_option
 from glmserve.text.tokenizer import Tokenizer
 
 
 def mtp_setting(value: str) -> str | int:
-    if value in ("auto", "off"):
-        return value
     try:
-        return int(value)
-    except ValueError:
-        raise SystemExit(f"--mtp: {value!r} is not a number, 'auto' or 'off'") from None
+        return mtp_option(value)
+    except ValueError as e:
+        raise SystemExit(f"--{e}") from None
 
 
 def run_generate(args: argparse.Namespace) -> int:

@@ -33,6 +33,7 @@ from glmserve.commands.child import ChildSpec
 from glmserve.commands.free_ports import free_ports
 from glmserve.commands.supervisor import GaveUp, RestartPolicy, Supervisor
 from glmserve.core.dtype_names import DTYPE_CHOICES
+from glmserve.engine.engine_config import MTP_HELP, mtp_option
 
 _WORKER_MODULES = {"prefill": "glmserve.services.prefill.main", "decode": "glmserve.services.decode.main"}
 STOP_RANKS = {"router": 0, "prefill": 1, "decode": 1, "kvstore": 2}  # stopped in this order
@@ -60,6 +61,7 @@ class ServeConfig:
     reasoning_parser: str = "glm45"  # the router's --reasoning-parser (checked by the router)
     migration_limit: int = 3  # the router's --migration-limit (0: streams never resume elsewhere)
     dtype: str = "auto"  # every worker's --dtype (checked by the workers)
+    mtp: str = "auto"  # every worker's --mtp: speculative decoding, and so the KV layout they share
 
     def __post_init__(self) -> None:
         if not (self.model / "config.json").is_file():
@@ -78,6 +80,7 @@ class ServeConfig:
             raise ValueError(f"drain_timeout_s: must be >= 0, got {self.drain_timeout_s}")
         if self.prefill_stages < 1:
             raise ValueError(f"prefill_stages: must be >= 1, got {self.prefill_stages}")
+        mtp_option(self.mtp)  # refused here, not by every worker as it starts
         if self.migration_limit < 0:
             raise ValueError(f"migration_limit: must be >= 0, got {self.migration_limit}")
         self.layer_plan()  # ValueError naming prefill_stages or prefill_layer_split
@@ -119,7 +122,7 @@ class ServeConfig:
                    local_prefill=getattr(args, "local_prefill", cls.local_prefill),
                    reasoning_parser=getattr(args, "reasoning_parser", cls.reasoning_parser),
                    migration_limit=getattr(args, "migration_limit", cls.migration_limit),
-                   dtype=getattr(args, "dtype", cls.dtype))
+                   dtype=getattr(args, "dtype", cls.dtype), mtp=getattr(args, "mtp", cls.mtp))
 
     @property
     def num_metrics_ports(self) -> int:
@@ -160,6 +163,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default=ServeConfig.dtype,
                    help="every worker's weights and KV: auto (bfloat16 where the CPU has bf16 instructions, "
                         "else float32)")
+    p.add_argument("--mtp", default=ServeConfig.mtp, help=f"{MTP_HELP}, on every worker")
     p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for every service")
     p.add_argument("--drain-timeout", type=float, default=ServeConfig.drain_timeout_s,
                    help="on stop, seconds each service lets running requests finish")
@@ -230,7 +234,7 @@ def plan(cfg: ServeConfig) -> list[ChildSpec]:
         addresses[kind].append(address)
         argv = (py, "-m", _WORKER_MODULES[kind], "--model", str(cfg.model), "--host", cfg.host,
                 "--worker-id", f"{kind}-{i}", "--transfer", cfg.transfer, "--kvstore", kv,
-                "--drain-timeout-s", str(cfg.drain_timeout_s), "--dtype", cfg.dtype, *labels)
+                "--drain-timeout-s", str(cfg.drain_timeout_s), "--dtype", cfg.dtype, "--mtp", cfg.mtp, *labels)
         if kind == "prefill" and layers is not None:
             stages = [address, *(f"{cfg.host}:{next(free)}" for _ in layers.stages[1:])]
             ports = [metrics_port, *(next(stage_metrics) for _ in layers.stages[1:])]

@@ -4,6 +4,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+MTP_HELP = "MTP speculative decoding: 'auto' (adaptive drafts), 'off', or a fixed number of drafts"
+
+
+def mtp_option(value: str) -> str | int:
+    """EngineConfig.mtp from its command-line spelling: 'auto', 'off' or a number of drafts >= 0."""
+    if value in ("auto", "off"):
+        return value
+    if value.isdigit():
+        return int(value)
+    raise ValueError(f"mtp: {value!r} is not 'auto', 'off' or a number of drafts >= 0")
+
 
 @dataclass(frozen=True)
 class EngineConfig:

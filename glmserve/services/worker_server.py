@@ -28,6 +28,7 @@ import grpc
 from prometheus_client import CollectorRegistry
 
 from glmserve.core.dtype_names import DTYPE_CHOICES
+from glmserve.engine.engine_config import MTP_HELP, mtp_option
 from glmserve.kv.transfer.timeouts import AGREED
 from glmserve.services.host_tier_link import HostTierSettings
 from glmserve.services.kv_events import KVEventPublisher, PublisherCollector
@@ -75,6 +76,8 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
                    help="prompt tokens an engine step may compute (the chunked-prefill budget; engine default if absent)")
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
                    help="weights and KV cache: auto (bfloat16 where the CPU has bf16 instructions, else float32)")
+    p.add_argument("--mtp", default="auto",
+                   help=f"{MTP_HELP}; a platform's prefill and decode workers must agree (it sets the KV layout)")
     p.add_argument("--kvstore", default=None,
                    help="host:port of the kvstore: publish this worker's cached blocks to its index and "
                    "use its host KV tier (load-back, write-through, demotion)")
@@ -103,6 +106,7 @@ class WorkerConfig:
     kv_cache_bytes: int | None = None
     max_step_tokens: int | None = None  # the engine's chunked-prefill budget (None: its default)
     dtype: str = "auto"  # the model's and the KV cache's (`resolve_dtype`); prefill and decode must agree
+    mtp: str = "auto"  # EngineConfig.mtp as spelled on the command line; prefill and decode must agree
     kvstore: str | None = None  # host:port: publish block events to its index, use its host tier
     revision: str | None = None  # explicit model revision for the prefix-cache key
     host_tier_write_through: str = "on"  # the CPU KV tier's; `host` is the address we bind
@@ -125,6 +129,7 @@ class WorkerConfig:
             raise ValueError(f"drain_timeout_s: must be >= 0, got {self.drain_timeout_s}")
         if self.dtype not in DTYPE_CHOICES:
             raise ValueError(f"dtype: must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}")
+        mtp_option(self.mtp)  # ValueError naming the field
         if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
             raise ValueError(f"kv_cache_bytes: must be > 0, got {self.kv_cache_bytes}")
         if self.max_step_tokens is not None and self.max_step_tokens < 1:
@@ -136,7 +141,7 @@ class WorkerConfig:
 
     def engine_config(self) -> dict[str, int | bool | str]:
         """Engine config fields (and the dtype) from the worker flags."""
-        options: dict[str, int | bool | str] = {"dtype": self.dtype}
+        options: dict[str, int | bool | str] = {"dtype": self.dtype, "mtp": mtp_option(self.mtp)}
         if self.kv_cache_bytes is not None:
             options["kv_cache_bytes"] = self.kv_cache_bytes
         if self.max_step_tokens is not None:

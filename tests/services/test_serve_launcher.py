@@ -156,6 +156,10 @@ def test_the_plan_fixes_every_port_on_the_host() -> None:
     assert all(s.argv[s.argv.index("--metrics-port") + 1] == str(s.metrics_port) for s in staged[:-1])
     free = [s.metrics_port for s in plan(ServeConfig(MODEL_DIR, prefill_stages=2))][:-1]
     assert None not in free and len(set(free)) == 4  # free ports, distinct
+    # every worker process (LayerSplit stages too) gets the same --mtp: it sets the KV layout they share
+    off = plan(ServeConfig(MODEL_DIR, prefill_workers=1, decode_workers=1, prefill_stages=2, mtp="off"))
+    assert [s.argv[s.argv.index("--mtp") + 1] for s in off if s.role in ("prefill", "decode")] == ["off"] * 3
+    assert all("--mtp" not in s.argv for s in off if s.role not in ("prefill", "decode"))
 
 
 def test_restart_policy_backs_off_and_checks_its_fields() -> None:
@@ -179,6 +183,8 @@ def test_bad_arguments_are_refused_before_anything_starts(tmp_path: Path) -> Non
     assert ServeConfig(MODEL_DIR, prefill_layer_split="0-2,3-7").layer_plan().ranges == (range(0, 3), range(3, 8))
     with pytest.raises(ValueError, match="drain_timeout_s"):
         ServeConfig(MODEL_DIR, drain_timeout_s=-1)
+    with pytest.raises(ValueError, match="mtp"):
+        ServeConfig(MODEL_DIR, mtp="sometimes")
 
 
 # --- end to end -------------------------------------------------------------------------------------
@@ -200,10 +206,11 @@ def _pids_alive(pids: list[int]) -> list[int]:
 @pytest.mark.skipif(bool(WORKERS_MISSING), reason=f"worker services not built yet: {WORKERS_MISSING}")
 @pytest.mark.parametrize("stages", [1, 2])
 def test_serve_answers_the_openai_client_and_stops_every_process(tmp_path: Path, stages: int) -> None:
-    """With --prefill-stages 2 the prefill worker is a LayerSplit replica of two processes."""
+    """With --prefill-stages 2 the prefill worker is a LayerSplit replica of two processes; that run
+    also turns MTP off (every worker's KV layout without the MTP layer)."""
     cmd = [sys.executable, "-m", "glmserve.cli", "serve", "--model", str(MODEL_DIR),
            "--prefill-workers", "1", "--decode-workers", "1", "--port", "0", "--ready-timeout", "240",
-           "--prefill-stages", str(stages)]
+           "--prefill-stages", str(stages), *(["--mtp", "off"] if stages == 2 else [])]
     log = (tmp_path / "serve.log").open("w")
     proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
                             stdout=subprocess.PIPE, stderr=log, text=True)

@@ -42,3 +42,14 @@ def test_step_token_budget_is_short_on_decode_workers() -> None:
     assert PrefillConfig.from_args([*BASE, "--max-step-tokens", "1024"]).engine_config()["max_step_tokens"] == 1024
     with pytest.raises(ValueError, match="max_step_tokens"):
         DecodeConfig.from_args([*BASE, "--max-step-tokens", "0"])
+
+
+@pytest.mark.parametrize("config", [PrefillConfig, DecodeConfig])
+def test_mtp_flag_reaches_the_engine_and_is_checked(config) -> None:
+    """--mtp sets EngineConfig.mtp (and with it the KV layout, which prefill and decode share)."""
+    assert config.from_args(BASE).engine_config()["mtp"] == "auto"
+    assert config.from_args([*BASE, "--mtp", "off"]).engine_config()["mtp"] == "off"
+    assert config.from_args([*BASE, "--mtp", "2"]).engine_config()["mtp"] == 2
+    for bad in ("sometimes", "-1", ""):
+        with pytest.raises(ValueError, match="mtp"):
+            config.from_args([*BASE, "--mtp", bad])
