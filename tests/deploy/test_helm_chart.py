@@ -82,7 +82,7 @@ def test_monitoring_crds_are_off_by_default() -> None:
 
 
 @pytest.mark.parametrize("bad", ["transfer=ucx", "redis.enabled=false", "prefill.layerSplit=0-2;3-7",
-                                 "slo.ttft.objective=1.5", "router.port=0", "model.servedName="])
+                                 "slo.ttft.objective=1.5", "router.port=0", "model.servedName=", "mtp=sometimes"])
 def test_schema_rejects_bad_values(bad: str) -> None:
     code, _, err = helm("template", "glm", ".", "--set", bad)
     assert code != 0 and ("schema" in err or "required" in err), err
@@ -116,6 +116,18 @@ def test_every_container_command_parses_with_the_services_own_flags(values_file:
             assert config.host == "10.1.2.3", name  # every listener binds the pod's own address
             checked.add(module)
     assert checked == set(MODULE_CONFIGS)
+
+
+@pytest.mark.parametrize("mtp", ["off", "2"])
+def test_mtp_is_one_value_for_every_worker(mtp: str) -> None:
+    """Prefill (every LayerSplit stage) and decode workers get the same --mtp: it sets their KV layout."""
+    docs = render("values-gpu-production.yaml", "--set", f"mtp={mtp}")
+    workers = [(name, c) for name, spec in pod_templates(docs).items() for c in spec["containers"]
+               if c.get("command", [])[2:3] in (["glmserve.services.prefill.main"], ["glmserve.services.decode.main"])]
+    assert len(workers) >= 3  # two prefill stages and the decode worker
+    for name, c in workers:
+        (flag,) = [_expand(a, _env(docs, c)) for a in c["args"] if a.startswith("--mtp=")]
+        assert flag == f"--mtp={mtp}", name
 
 
 def test_router_addresses_every_worker_pod_through_its_headless_service() -> None:
