@@ -13,6 +13,8 @@ import yaml
 from router_fixtures import MODEL_DIR
 
 from glmserve.commands.serve import module_exists
+from glmserve.services.decode.main import DecodeConfig
+from glmserve.services.prefill.main import PrefillConfig
 from glmserve.services.router.main import RouterConfig
 
 REPO = Path(__file__).resolve().parents[2]
@@ -86,6 +88,17 @@ def test_router_command_parses_with_the_router_flags(config: dict) -> None:
     router = RouterConfig.from_args(args)
     assert router.decode == ("decode:50062",) and router.prefill == ("prefill:50061",)
     assert router.kvstore == "kvstore:50070" and router.host == "0.0.0.0"
+
+
+def test_worker_commands_parse_with_the_worker_flags_and_agree_on_mtp(config: dict) -> None:
+    """Both workers take one GLMSERVE_MTP: it sets the KV layout they exchange."""
+    parsed = []
+    for name, worker in (("prefill", PrefillConfig), ("decode", DecodeConfig)):
+        command = config["services"][name]["command"]
+        assert command[command.index("--mtp") + 1] == "auto", name  # ${GLMSERVE_MTP:-auto}, unset here
+        parsed.append(worker.from_args(command[command.index("-m") + 2:]))
+    assert [c.mtp for c in parsed] == ["auto", "auto"]
+    assert [c.transfer for c in parsed] == ["tcp", "tcp"]
 
 
 def test_dockerfile_pins_cpu_torch_and_bakes_in_no_model() -> None:
