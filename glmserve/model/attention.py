@@ -167,8 +167,8 @@ class MLAttention(nn.Module):
         else:
             iq, iw, new_keys = index
             keys = self._context(ctx, seq, new_keys, self.layer_idx, "index")
-            masked = attends_densely(seq.context_len, min(self.indexer.index_topk, seq.context_len))
-            topk = self.indexer.select_tiled(iq, iw, keys, positions, ascending=not masked)
+            dense = attends_densely(seq.context_len, min(self.indexer.index_topk, seq.context_len))
+            topk = self.indexer.select_tiled(iq, iw, keys, positions, ascending=not dense)  # a mask needs no order
         w = self.kv_b_proj.weight.view(self.heads, self.nope_dim + self.v_dim, self.latent_dim)
         k_sel = topk.shape[-1]
         if attends_densely(seq.context_len, k_sel):
