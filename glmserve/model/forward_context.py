@@ -8,8 +8,8 @@ import torch
 
 from glmserve.model.decode_group import DecodeGroup, decode_groups
 from glmserve.model.forward_batch import ForwardBatch
-from glmserve.model.indexer import causal_mask
 from glmserve.model.paged_cache import PagedKVCache
+from glmserve.model.prefill_attention import selection_mask
 
 
 @dataclass
@@ -63,25 +63,3 @@ class ForwardContext:
             self._groups[max_queries] = decode_groups(self.batch, max_queries, self.cache.layout.block_size)
         return self._groups[max_queries]
 
-
-def selection_mask(selected: torch.Tensor, positions: torch.Tensor, context_len: int, dtype: torch.dtype,
-                   reuse: torch.Tensor | None = None) -> torch.Tensor:
-    """Additive mask [S, T]: 0 at each query's selected positions [S, k] up to its own, -inf elsewhere,
-    written into `reuse` where it has that shape and dtype (a fresh 1,536 x 1,536 tensor costs more in
-    page faults than the fill).
-
-    Only queries before position k can have selected a later position (they select 0..k-1); a later
-    query's k best scores are all visible ones. So the causal cut touches only those first rows and
-    their first k keys, not the whole [S, T]. The selection goes in by flat position (index_fill_:
-    4x faster than scatter_ on a 1,536 x 1,536 mask)."""
-    s, k = selected.shape
-    if reuse is not None and reuse.shape == (s, context_len) and reuse.dtype == dtype:
-        mask = reuse.fill_(float("-inf"))
-    else:
-        mask = torch.full((s, context_len), float("-inf"), dtype=dtype)
-    flat = selected + torch.arange(0, s * context_len, context_len, device=selected.device).unsqueeze(1)
-    mask.view(-1).index_fill_(0, flat.view(-1), 0.0)
-    short = int(torch.searchsorted(positions, k))
-    if short:
-        mask[:short, :k].masked_fill_(causal_mask(positions[:short], k).logical_not_(), float("-inf"))
-    return mask
