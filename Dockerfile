@@ -13,7 +13,7 @@ WORKDIR /app
 # installing it before the package keeps this layer cached when only the code changes.
 RUN pip install --index-url https://download.pytorch.org/whl/cpu torch==2.13.0
 
-# g++ builds the indexer's native top-k kernel (glmserve/model/native_top_k.py); without it the
+# g++ builds the native kernels (glmserve/model/native_kernels.py); without it the
 # same selection runs in slower torch ops.
 RUN apt-get update -qq && apt-get install -y -qq --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
 
@@ -22,10 +22,10 @@ COPY pyproject.toml README.md ./
 COPY glmserve ./glmserve
 RUN pip install . && python -c "import glmserve.services.router.main, glmserve.services.kvstore.main"
 
-# The kernel is compiled into the image; the services' user takes the build lock when it loads it.
+# The kernels are compiled into the image; the services' user takes the build lock when it loads it.
 ENV TORCH_EXTENSIONS_DIR=/app/torch_extensions
 RUN useradd --system --uid 10001 --no-create-home glmserve \
-    && python -m glmserve.model.native_top_k && chown -R glmserve /app/torch_extensions
+    && python -m glmserve.model.native_kernels && chown -R glmserve /app/torch_extensions
 USER glmserve
 
 # router HTTP, prefill gRPC, decode gRPC, kvstore gRPC, metrics

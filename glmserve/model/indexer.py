@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from glmserve.model import native_top_k
+from glmserve.model import native_kernels
 from glmserve.model.config import GlmConfig
 from glmserve.model.cpu_cache import l2_bytes
 from glmserve.model.rope import apply_rope
@@ -86,7 +86,7 @@ class Indexer(nn.Module):
         out = torch.empty(s, k, dtype=torch.int64, device=q.device)
         out[:short] = torch.arange(k, device=q.device)
         keys_t, q = keys.float().t(), q.float()
-        native = native_top_k.kernel()
+        native = native_kernels.get()
         step = max(1, SELECT_TILE_VALUES // (self.n_heads * t))
         for a in range(short, s, step):
             b = min(a + step, s)
@@ -94,7 +94,7 @@ class Indexer(nn.Module):
             per_head = torch.matmul(q[a:b], keys_t[:, :end]).relu_()  # [tile, H, end], as scores()
             scores = torch.bmm(weights[a:b].float().unsqueeze(1), per_head).squeeze(1)  # [tile, end]
             if native is not None:  # each row searches only its visible keys: no causal mask
-                out[a:b] = native(scores, positions[a:b] + 1, k, ascending)
+                out[a:b] = native.top_k_earliest(scores, positions[a:b] + 1, k, ascending)
                 continue
             if first < end:
                 later = torch.arange(first, end, device=q.device) > positions[a:b, None]
@@ -129,9 +129,9 @@ class Indexer(nn.Module):
 def top_k_earliest(flat: torch.Tensor, k: int, ascending: bool = True) -> torch.Tensor:
     """[R, k] positions of each row's k best scores, ties towards earlier positions (k < T); ascending,
     or with `ascending=False` in no particular order (rows with ties at the cut are ascending anyway)."""
-    native = native_top_k.kernel() if flat.dtype == torch.float32 else None
+    native = native_kernels.get() if flat.dtype == torch.float32 else None
     if native is not None:  # the same positions, in one pass per row
-        return native(flat, torch.full(flat.shape[:1], flat.shape[1], dtype=torch.int64), k, ascending)
+        return native.top_k_earliest(flat, torch.full(flat.shape[:1], flat.shape[1], dtype=torch.int64), k, ascending)
     # torch.topk finds the best (2-3x faster than kthvalue on CPU, and on int32 1.5x faster than on
     # float32 on an AMD EPYC). It takes k + 1: a row whose (k+1)-th best equals its k-th has ties at
     # the cut (frequent after the ReLU), and only those rows need the earliest ties picked; the others

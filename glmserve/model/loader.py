@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from glmserve.core.errors import CheckpointError
-from glmserve.model import native_top_k
+from glmserve.model import native_kernels
 from glmserve.model.checkpoint import Checkpoint
 from glmserve.model.config import GlmConfig
 from glmserve.model.glm_model import GlmForCausalLM
@@ -42,7 +42,7 @@ def load_model(
         unexpected = sorted(n for n in ckpt.names() if _in_scope(n, model) and n not in used)
         if unexpected:
             raise CheckpointError(f"{model_dir}: unexpected tensors: {', '.join(unexpected)}")
-    native_top_k.kernel()  # built or loaded now, not in the first request's prefill
+    native_kernels.get()  # built or loaded now, not in the first request's prefill
     return model.eval()
 
 

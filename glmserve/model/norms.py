@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from glmserve.model import native_kernels
+
 
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float = 1e-6):
@@ -18,9 +20,17 @@ class RMSNorm(nn.Module):
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.dtype == weight.dtype == torch.bfloat16 and x.device.type == "cpu" and not _autograd(x, weight):
+        native = native_kernels.get()
+        if native is not None:  # one pass per row instead of eight ops (see csrc/rms_norm.cpp)
+            return native.rms_norm(x, weight, eps)
     if x.dtype == weight.dtype == torch.float32:
         # One fused op instead of six; equal to the path below within float rounding.
         return F.rms_norm(x, weight.shape, weight, eps)
     # Normalised in float32 inside the fused op, rounded to the input dtype, then scaled in it: what
     # the checkpoint's norm computes, bit for bit, without converting x to float32 and back.
     return weight * F.rms_norm(x, weight.shape, None, eps)
+
+
+def _autograd(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)

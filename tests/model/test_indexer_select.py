@@ -8,7 +8,7 @@ import pytest
 import torch
 from reference import config_dict
 
-from glmserve.model import native_top_k
+from glmserve.model import native_kernels
 from glmserve.model.config import GlmConfig
 from glmserve.model.indexer import Indexer, prefilter_group, top_k_earliest
 
@@ -16,9 +16,9 @@ from glmserve.model.indexer import Indexer, prefilter_group, top_k_earliest
 @pytest.fixture(autouse=True, params=["native", "torch ops"])
 def top_k_path(request, monkeypatch):
     if request.param == "torch ops":
-        monkeypatch.setattr(native_top_k, "kernel", lambda: None)
-    elif native_top_k.kernel() is None:
-        pytest.skip("the native top-k kernel did not build (no C++ compiler or ninja)")
+        monkeypatch.setattr(native_kernels, "get", lambda: None)
+    elif native_kernels.get() is None:
+        pytest.skip("the native kernels did not build (no C++ compiler or ninja)")
     return request.param
 
 

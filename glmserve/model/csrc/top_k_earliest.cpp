@@ -95,7 +95,3 @@ torch::Tensor top_k_earliest(torch::Tensor scores, torch::Tensor lengths, int64_
   });
   return result;
 }
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("top_k_earliest", &top_k_earliest, "each row's k best scores, ties towards earlier positions");
-}

@@ -1,28 +1,31 @@
-"""The native top-k kernel selects what the torch ops select: the same positions, for every row length,
-tie pattern and causal length; `select_tiled` gives the same selection with it and without it."""
+"""The native kernels compute what the torch ops compute: the top-k the same positions, for every row
+length, tie pattern and causal length (`select_tiled` the same selection with it and without it); the
+bfloat16 RMSNorm the same values but for rare elements a rounding step apart."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from reference import config_dict
 
-from glmserve.model import native_top_k
+from glmserve.model import native_kernels
 from glmserve.model.config import GlmConfig
 from glmserve.model.indexer import Indexer, top_k_earliest
+from glmserve.model.norms import rms_norm
 
 
 @pytest.fixture
 def native():
-    kernel = native_top_k.kernel()
-    if kernel is None:
-        pytest.skip("the native top-k kernel did not build (no C++ compiler or ninja)")
-    return kernel
+    module = native_kernels.get()
+    if module is None:
+        pytest.skip("the native kernels did not build (no C++ compiler or ninja)")
+    return module.top_k_earliest
 
 
 def _torch_ops(monkeypatch, scores: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Tensor:
     """The torch path's answer: later columns masked to -inf, as the causal mask does."""
-    monkeypatch.setattr(native_top_k, "kernel", lambda: None)
+    monkeypatch.setattr(native_kernels, "get", lambda: None)
     masked = scores.masked_fill(torch.arange(scores.shape[1]) >= lengths[:, None], float("-inf"))
     answer = top_k_earliest(masked, k)
     monkeypatch.undo()
@@ -68,15 +71,44 @@ def test_select_tiled_is_the_same_with_and_without_the_kernel(native, monkeypatc
     positions = torch.arange(s)
     with_kernel = indexer.select_tiled(q, weights, keys, positions)
     unordered = indexer.select_tiled(q, weights, keys, positions, ascending=False).sort(-1).values
-    monkeypatch.setattr(native_top_k, "kernel", lambda: None)
+    monkeypatch.setattr(native_kernels, "get", lambda: None)
     assert torch.equal(with_kernel, indexer.select_tiled(q, weights, keys, positions))
     assert torch.equal(unordered, with_kernel)
 
 
+@pytest.mark.parametrize("width", [256, 192, 7168, 7])
+def test_rms_norm_equals_the_torch_ops_but_for_rare_rounding_steps(monkeypatch, width):
+    if native_kernels.get() is None:
+        pytest.skip("the native kernels did not build (no C++ compiler or ninja)")
+    g = torch.Generator().manual_seed(width)
+    x = (torch.randn(3000, width, generator=g) * torch.rand(3000, 1, generator=g) * 10).bfloat16()
+    weight = torch.randn(width, generator=g).bfloat16()
+    native = rms_norm(x.view(3, 1000, width), weight, 1e-5).view(3000, width)
+    monkeypatch.setattr(native_kernels, "get", lambda: None)
+    torch_ops = rms_norm(x, weight, 1e-5)
+    assert torch.equal(torch_ops, weight * F.rms_norm(x, weight.shape, None, 1e-5))
+    apart = native != torch_ops
+    assert apart.float().mean() < 1e-3
+    # one bfloat16 step of the normalised value, scaled by the weight and rounded: two output steps at most
+    steps = (torch_ops.float().abs() * 2.0**-6).clamp_min(1e-38)
+    assert ((native.float() - torch_ops.float()).abs()[apart] <= steps[apart]).all()
+
+
+def test_rms_norm_outside_its_case_runs_the_torch_ops():
+    """float32, and bfloat16 under autograd (training), take the torch ops."""
+    x = torch.randn(4, 8, requires_grad=True)
+    weight = torch.rand(8)
+    rms_norm(x, weight, 1e-5).sum().backward()
+    assert x.grad is not None
+    xb, wb = x.detach().bfloat16().requires_grad_(), weight.bfloat16()
+    rms_norm(xb, wb, 1e-5).sum().backward()
+    assert xb.grad is not None
+
+
 def test_turned_off_by_its_environment_variable(monkeypatch):
-    native_top_k.kernel.cache_clear()
-    monkeypatch.setenv(native_top_k.ENV, "0")
+    native_kernels.get.cache_clear()
+    monkeypatch.setenv(native_kernels.ENV, "0")
     try:
-        assert native_top_k.kernel() is None
+        assert native_kernels.get() is None
     finally:
-        native_top_k.kernel.cache_clear()
+        native_kernels.get.cache_clear()

@@ -1,0 +1,11 @@
+// The Python module of the native kernels (glmserve/model/native_kernels.py); each kernel has its file.
+
+#include <torch/extension.h>
+
+torch::Tensor top_k_earliest(torch::Tensor scores, torch::Tensor lengths, int64_t k, bool ascending);
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("top_k_earliest", &top_k_earliest, "each row's k best scores, ties towards earlier positions");
+  m.def("rms_norm", &rms_norm, "GLM's bfloat16 RMSNorm of the last dimension");
+}
