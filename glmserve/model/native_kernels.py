@@ -16,8 +16,10 @@ after the first build (~30 s). `python -m glmserve.model.native_kernels` builds 
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import platform
 from functools import cache
 from pathlib import Path
 from types import ModuleType
@@ -36,10 +38,21 @@ def get() -> ModuleType | None:
     try:
         from torch.utils.cpp_extension import load
 
-        return load("glmserve_native", [str(p) for p in SOURCES], extra_cflags=["-O3", "-march=x86-64-v3"], verbose=False)
+        return load(_name(), [str(p) for p in SOURCES], extra_cflags=_flags(), verbose=False)
     except Exception as e:  # no compiler, no ninja, a read-only cache: the torch ops compute the same
         log.warning("the native kernels could not be built (%s); torch ops run instead", e)
         return None
+
+
+def _name() -> str:
+    """One build per checkout: two checkouts on one machine sharing a name would rebuild it in turn."""
+    return f"glmserve_native_{hashlib.sha1(str(SOURCES[0].parent).encode()).hexdigest()[:10]}"
+
+
+def _flags() -> list[str]:
+    # AVX2 and FMA (every x86-64 server since 2013) let the compiler vectorise the loops; elsewhere
+    # (ARM) the compiler's defaults.
+    return ["-O3", "-march=x86-64-v3"] if platform.machine() in ("x86_64", "AMD64") else ["-O3"]
 
 
 if __name__ == "__main__":
