@@ -1,6 +1,6 @@
 """The native kernels compute what the torch ops compute: the top-k the same positions, for every row
-length, tie pattern and causal length (`select_tiled` the same selection with it and without it); the
-bfloat16 RMSNorm the same values but for rare elements a rounding step apart."""
+length, tie pattern and causal length (`select_tiled` the same selection with it and without it); RoPE
+the same bits; the bfloat16 RMSNorm the same values but for rare elements a rounding step apart."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from glmserve.model import native_kernels
 from glmserve.model.config import GlmConfig
 from glmserve.model.indexer import Indexer, top_k_earliest
 from glmserve.model.norms import rms_norm
+from glmserve.model.rope import apply_rope
 
 
 @pytest.fixture
@@ -103,6 +104,28 @@ def test_rms_norm_outside_its_case_runs_the_torch_ops():
     xb, wb = x.detach().bfloat16().requires_grad_(), weight.bfloat16()
     rms_norm(xb, wb, 1e-5).sum().backward()
     assert xb.grad is not None
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rope_is_the_torch_ops_bit_for_bit(monkeypatch, dtype):
+    """Every layout the model passes: a rope slice of wider rows (not contiguous), heads in between,
+    two leading dimensions (decode's [B, S]), and values that round (large angles, large x, inf, nan)."""
+    if native_kernels.get() is None:
+        pytest.skip("the native kernels did not build (no C++ compiler or ninja)")
+    g = torch.Generator().manual_seed(5)
+    cases = (((7, 144), (7,), slice(128, 144)), ((300, 4, 64), (300,), slice(48, 64)),
+             ((3, 2, 4, 64), (3, 2), slice(48, 64)), ((5, 4, 32), (5,), slice(0, 16)))
+    for shape, lead, rope_slice in cases:
+        x = (torch.randn(*shape, generator=g) * 300).to(dtype)[..., rope_slice]
+        x[(0,) * (x.dim() - 1)][:2] = torch.tensor([float("inf"), float("nan")], dtype=dtype)
+        angles = torch.randn(*lead, 8, generator=g) * 1e4
+        cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+        native = apply_rope(x, cos, sin)
+        with monkeypatch.context() as m:
+            m.setattr(native_kernels, "get", lambda: None)
+            torch_ops = apply_rope(x, cos, sin)
+        assert torch.equal(native.nan_to_num(), torch_ops.nan_to_num())
+        assert torch.equal(native.isnan(), torch_ops.isnan())
 
 
 def test_turned_off_by_its_environment_variable(monkeypatch):

@@ -14,28 +14,14 @@
 
 #include <cmath>
 #include <cstdint>
-#include <cstring>
+
+#include "bfloat16_bits.h"
+
+using glmserve::narrow;
+using glmserve::widen;
 
 namespace {
-
 constexpr int64_t kLanes = 16;
-
-// bfloat16 <-> float32 on the raw bits, as c10::BFloat16 converts (round to nearest even, NaN kept
-// a NaN), written so that the compiler vectorises the loops.
-inline float widen(uint16_t bits) {
-  const uint32_t word = uint32_t(bits) << 16;
-  float value;
-  std::memcpy(&value, &word, sizeof value);
-  return value;
-}
-
-inline uint16_t narrow(float value) {
-  uint32_t word;
-  std::memcpy(&word, &value, sizeof word);
-  const uint32_t rounded = (word + 0x7FFFu + ((word >> 16) & 1u)) >> 16;
-  return std::isnan(value) ? uint16_t(0x7FC0) : uint16_t(rounded);
-}
-
 }  // namespace
 
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
