@@ -6,7 +6,11 @@ not arithmetic (numbers from an AMX Xeon, one thread):
 - `top_k_earliest` (csrc/top_k_earliest.cpp): the indexer's selection, one pass per row instead of a
   topk of k + 1 and a fix-up of the rows tied at the cut; the same positions, in 0.36x the time (the
   68 query tiles of a 1,536-token prefill: 20.7 against 57.7 ms);
-- `rms_norm` (csrc/rms_norm.cpp): GLM's bfloat16 RMSNorm in one pass per row instead of eight ops.
+- `rms_norm` (csrc/rms_norm.cpp): GLM's bfloat16 RMSNorm in one pass per row instead of eight ops;
+- `rope` (csrc/rope.cpp): the interleaved rotation in one pass instead of ten ops, the same bits.
+
+`python bench/bench_native_kernels.py` measures each against the torch ops, and a prefill and a
+decode step with them and without.
 
 They are built on first use by torch's C++ extension loader (a C++ compiler and ninja) and cached under
 TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions), so a process loads them in well under a second
