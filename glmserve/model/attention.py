@@ -238,9 +238,8 @@ class MLAttention(nn.Module):
             return torch.arange(width).expand(g.num_seqs, g.num_queries, width)
         iq, iw = index
         b, s = g.num_seqs, g.num_queries
-        view = ctx.cache.index_key_view(self.layer_idx)
-        keys = PagedKVCache.gather_blocks(view, g.block_tables).view(b, padded, -1)
-        scores = self.indexer.scores(iq.view(b, s, *iq.shape[1:]), iw.view(b, s, -1), keys, g.positions)
+        scores = self.indexer.paged_scores(iq.view(b, s, *iq.shape[1:]), iw.view(b, s, -1),
+                                           ctx.cache.index_key_view(self.layer_idx), g.block_tables, g.positions)
         return self.indexer.select(scores)
 
     @staticmethod

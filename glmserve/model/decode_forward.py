@@ -130,8 +130,9 @@ def _select(layer: LayerWeights, h, q_resid, cache: PagedKVCache, tables, positi
     ix = layer.indexer
     b, s = positions.shape
     q, weights = ix.queries_from(q_resid, row_linear(h.to(ix.weights_proj.weight.dtype), ix.weights_proj.weight), cos, sin)
-    keys = PagedKVCache.gather_blocks(cache.index_key_view(layer.index), tables).view(b, -1, ix.head_dim)
-    return ix.select(ix.scores(q.view(b, s, *q.shape[1:]), weights.view(b, s, -1), keys, positions))
+    scores = ix.paged_scores(q.view(b, s, *q.shape[1:]), weights.view(b, s, -1), cache.index_key_view(layer.index),
+                             tables, positions)
+    return ix.select(scores)
 
 
 def _mlp(h: torch.Tensor, w: MlpWeights) -> torch.Tensor:

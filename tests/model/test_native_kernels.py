@@ -1,6 +1,7 @@
 """The native kernels compute what the torch ops compute: the top-k the same positions, for every row
 length, tie pattern and causal length (`select_tiled` the same selection with it and without it); RoPE
-the same bits; the bfloat16 RMSNorm the same values but for rare elements a rounding step apart."""
+the same bits; the bfloat16 RMSNorm the same values but for rare elements a rounding step apart; the
+decode indexer's scores from the paged cache the same to float rounding."""
 
 from __future__ import annotations
 
@@ -126,6 +127,36 @@ def test_rope_is_the_torch_ops_bit_for_bit(monkeypatch, dtype):
             torch_ops = apply_rope(x, cos, sin)
         assert torch.equal(native.nan_to_num(), torch_ops.nan_to_num())
         assert torch.equal(native.isnan(), torch_ops.isnan())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_paged_scores_equal_the_torch_ops_to_float_rounding(monkeypatch, dtype):
+    """Keys in one layer's strided view of the block pool, blocks in any order, one query per sequence
+    (decode) and several (verification); -inf exactly after each query's position."""
+    if native_kernels.get() is None:
+        pytest.skip("the native kernels did not build (no C++ compiler or ninja)")
+    indexer = Indexer(GlmConfig.from_dict(config_dict("glm52_schedule", index_topk=64)))
+    heads, dim, block, num_blocks = indexer.n_heads, indexer.head_dim, 16, 90
+    g = torch.Generator().manual_seed(11)
+    pool = torch.randn(num_blocks, 40 + block * dim, generator=g).to(dtype)  # other layers' values around it
+    view = pool[:, 40:].view(num_blocks, block, dim)
+    for batch, queries, width in ((9, 1, 10), (3, 4, 5), (2, 1, 1)):
+        tables = torch.randperm(num_blocks, generator=g)[: batch * width].view(batch, width)
+        last = torch.randint(queries - 1, width * block, (batch, 1), generator=g)
+        positions = last - queries + 1 + torch.arange(queries)
+        q = torch.randn(batch, queries, heads, dim, generator=g).to(dtype)
+        weights = torch.rand(batch, queries, heads, generator=g)
+        native = indexer.paged_scores(q, weights, view, tables, positions)
+        with monkeypatch.context() as m:
+            m.setattr(native_kernels, "get", lambda: None)
+            torch_ops = indexer.paged_scores(q, weights, view, tables, positions)
+        visible = torch.isfinite(torch_ops)
+        assert torch.equal(visible, torch.isfinite(native))
+        assert torch.equal(torch_ops[~visible], native[~visible])
+        torch.testing.assert_close(native[visible], torch_ops[visible], rtol=1e-5, atol=1e-6)
+        # a sequence's scores do not depend on the batch around it (decode and verification agree)
+        alone = indexer.paged_scores(q[-1:], weights[-1:], view, tables[-1:], positions[-1:])
+        assert torch.equal(alone, native[-1:])
 
 
 def test_turned_off_by_its_environment_variable(monkeypatch):
