@@ -3,7 +3,7 @@
 Each row runs the same call twice per round, once with the kernels and once with `native_kernels.get`
 answering None (the torch ops, as without a compiler or with GLMSERVE_NATIVE_KERNELS=0), in
 alternating order. Three levels: (1) each kernel alone at the bundled model's shapes (the indexer's
-top-k over the query tiles of one prompt, RMSNorm, RoPE); (2) a cold prefill on an idle engine, with
+selection over one prompt, the decode indexer's scores, RMSNorm, RoPE); (2) a cold prefill on an idle engine, with
 the bundled model as it is and with `index_topk` raised above the prompt (no selection: only RMSNorm
 and RoPE differ); (3) a decode step at batch B over C-token contexts.
 
@@ -77,6 +77,14 @@ def kernel_rows(config, dtype: torch.dtype, rounds: int, gen: torch.Generator) -
     keys, positions = torch.randn(n, ix.head_dim, generator=gen), torch.arange(n)
     rows.append(row(f"indexer selection, {n}-token prompt, top-{k}",
                     both_ways(lambda: ix.select_tiled(q, weights, keys, positions)), rounds, 1e3, "ms"))
+    # The decode indexer's scores: 32 sequences of 1,024 tokens, their blocks scattered over a pool.
+    batch, block, width = 32, 16, 64
+    pool = torch.randn(8 * batch * width, block, ix.head_dim, generator=gen).to(dtype)
+    tables = torch.randperm(pool.shape[0], generator=gen)[: batch * width].view(batch, width)
+    dq, dw = torch.randn(batch, 1, ix.n_heads, ix.head_dim, generator=gen), torch.rand(batch, 1, ix.n_heads, generator=gen)
+    last = torch.full((batch, 1), block * width - 1)
+    rows.append(row(f"decode indexer scores, {batch} x {block * width} keys from the paged cache",
+                    both_ways(lambda: ix.paged_scores(dq, dw, pool, tables, last)), rounds, 1e3, "ms"))
     for tokens in (32, 1536):
         x, w = torch.randn(tokens, hidden, generator=gen).to(dtype), torch.randn(hidden, generator=gen).to(dtype)
         rows.append(row(f"RMSNorm [{tokens}, {hidden}] {str(dtype)[6:]}", both_ways(lambda x=x, w=w: rms_norm(x, w, 1e-5)),

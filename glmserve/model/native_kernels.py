@@ -7,7 +7,9 @@ not arithmetic (numbers from an AMX Xeon, one thread):
   topk of k + 1 and a fix-up of the rows tied at the cut; the same positions, in 0.36x the time (the
   68 query tiles of a 1,536-token prefill: 20.7 against 57.7 ms);
 - `rms_norm` (csrc/rms_norm.cpp): GLM's bfloat16 RMSNorm in one pass per row instead of eight ops;
-- `rope` (csrc/rope.cpp): the interleaved rotation in one pass instead of ten ops, the same bits.
+- `rope` (csrc/rope.cpp): the interleaved rotation in one pass instead of ten ops, the same bits;
+- `paged_index_scores` (csrc/paged_index_scores.cpp): the decode indexer's scores, read through the block
+  tables, instead of a gathered copy of the keys, their conversion, two products and a mask.
 
 `python bench/bench_native_kernels.py` measures each against the torch ops, and a prefill and a
 decode step with them and without.
