@@ -130,6 +130,7 @@ def test_rope_is_the_torch_ops_bit_for_bit(monkeypatch, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@torch.no_grad()  # the kernel serves inference; under autograd the torch ops run
 def test_paged_scores_equal_the_torch_ops_to_float_rounding(monkeypatch, dtype):
     """Keys in one layer's strided view of the block pool, blocks in any order, one query per sequence
     (decode) and several (verification); -inf exactly after each query's position."""
