@@ -160,6 +160,17 @@ def test_paged_scores_equal_the_torch_ops_to_float_rounding(monkeypatch, dtype):
         assert torch.equal(alone, native[-1:])
 
 
+def test_paged_scores_refuse_a_block_id_outside_the_pool():
+    module = native_kernels.get()
+    if module is None:
+        pytest.skip("the native kernels did not build (no C++ compiler or ninja)")
+    view = torch.zeros(4, 16, 8)
+    q, weights, positions = torch.zeros(1, 1, 2, 8), torch.zeros(1, 1, 2), torch.tensor([[20]])
+    assert module.paged_index_scores(q, weights, view, torch.tensor([[3, 2]]), positions).shape == (1, 1, 32)
+    with pytest.raises(RuntimeError, match="block id out of range"):
+        module.paged_index_scores(q, weights, view, torch.tensor([[1, 4]]), positions)
+
+
 def test_turned_off_by_its_environment_variable(monkeypatch):
     native_kernels.get.cache_clear()
     monkeypatch.setenv(native_kernels.ENV, "0")

@@ -30,7 +30,7 @@ inline float widen(float x) { return x; }
 inline float widen(c10::BFloat16 x) { return glmserve::widen(x.x); }
 
 struct Shapes {
-  int64_t batch, queries, heads, dim, block_size, width;
+  int64_t batch, queries, heads, dim, block_size, width, num_blocks;
 };
 
 // Positions [t0, t0 + n) of sequence b, widened, into tile[d * kTile + i].
@@ -93,6 +93,10 @@ void score_all(const Shapes& s, const float* q, const float* weights, const Key*
     for (int64_t b = begin; b < end; ++b) {
       const int64_t* pos = positions + b * s.queries;
       const int64_t visible = std::min(t_all, *std::max_element(pos, pos + s.queries) + 1);
+      for (int64_t w = 0; w * s.block_size < visible; ++w) {  // index_select's bounds check, for the blocks read
+        TORCH_CHECK(0 <= tables[b * s.width + w] && tables[b * s.width + w] < s.num_blocks,
+                    "tables: block id out of range");
+      }
       for (int64_t t0 = 0; t0 < visible; t0 += kTile) {
         const int64_t n = std::min(kTile, visible - t0);
         load_tile(keys, block_stride, row_stride, tables + b * s.width, s.block_size, t0, n, s.dim, tile.data());
@@ -124,7 +128,7 @@ torch::Tensor paged_index_scores(torch::Tensor q, torch::Tensor weights, torch::
               "q [B, S, H, D], weights [B, S, H], keys [N, block_size, D], tables [B, W], positions [B, S]");
   TORCH_CHECK(q.scalar_type() == torch::kFloat32 && weights.scalar_type() == torch::kFloat32, "q, weights: float32");
   TORCH_CHECK(keys.stride(2) == 1 && keys.size(2) == q.size(3), "keys: [N, block_size, D], D contiguous");
-  const Shapes s{q.size(0), q.size(1), q.size(2), q.size(3), keys.size(1), tables.size(1)};
+  const Shapes s{q.size(0), q.size(1), q.size(2), q.size(3), keys.size(1), tables.size(1), keys.size(0)};
   TORCH_CHECK(weights.size(0) == s.batch && weights.size(1) == s.queries && weights.size(2) == s.heads, "weights");
   TORCH_CHECK(tables.size(0) == s.batch && positions.size(0) == s.batch && positions.size(1) == s.queries,
               "tables [B, W], positions [B, S]");
