@@ -30,6 +30,8 @@ from functools import cache
 from pathlib import Path
 from types import ModuleType
 
+import torch
+
 log = logging.getLogger(__name__)
 
 SOURCES = sorted((Path(__file__).with_name("csrc")).glob("*.cpp"))
@@ -48,6 +50,16 @@ def get() -> ModuleType | None:
     except Exception as e:  # no compiler, no ninja, a read-only cache: the torch ops compute the same
         log.warning("the native kernels could not be built (%s); torch ops run instead", e)
         return None
+
+
+def for_tensors(*tensors: torch.Tensor) -> ModuleType | None:
+    """The compiled module where a kernel may take these tensors, else None: they must be in CPU memory
+    (the kernels read it directly) and outside autograd (the kernels have no backward)."""
+    grad = torch.is_grad_enabled()
+    for t in tensors:  # a plain loop: this runs ~60 times in a decode step
+        if not t.is_cpu or (grad and t.requires_grad):
+            return None
+    return get()
 
 
 def _name() -> str:

@@ -20,8 +20,8 @@ class RMSNorm(nn.Module):
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    if x.dtype == weight.dtype == torch.bfloat16 and x.device.type == "cpu" and not _autograd(x, weight):
-        native = native_kernels.get()
+    if x.dtype == weight.dtype == torch.bfloat16:
+        native = native_kernels.for_tensors(x, weight)
         if native is not None:  # one pass per row instead of eight ops (see csrc/rms_norm.cpp)
             return native.rms_norm(x, weight, eps)
     if x.dtype == weight.dtype == torch.float32:
@@ -31,6 +31,3 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # the checkpoint's norm computes, bit for bit, without converting x to float32 and back.
     return weight * F.rms_norm(x, weight.shape, None, eps)
 
-
-def _autograd(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)

@@ -37,13 +37,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 def _native(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
     """The native kernel's rotation where it applies (one CPU dtype, no autograd), else None."""
-    if (x.dtype not in (torch.bfloat16, torch.float32) or cos.dtype != x.dtype or sin.dtype != x.dtype
-            or x.device.type != "cpu" or (torch.is_grad_enabled() and x.requires_grad)):
+    if x.dtype not in (torch.bfloat16, torch.float32) or cos.dtype != x.dtype or sin.dtype != x.dtype:
         return None
     lead = cos.shape[:-1]
     if x.shape[: len(lead)] != lead or sin.shape != cos.shape or x.dim() <= len(lead):
         return None
-    kernels = native_kernels.get()
+    kernels = native_kernels.for_tensors(x, cos, sin)
     if kernels is None:
         return None
     rows = cos.numel() // cos.shape[-1]

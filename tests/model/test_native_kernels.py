@@ -171,6 +171,18 @@ def test_paged_scores_refuse_a_block_id_outside_the_pool():
         module.paged_index_scores(q, weights, view, torch.tensor([[1, 4]]), positions)
 
 
+def test_kernels_take_only_cpu_tensors_outside_autograd():
+    module = native_kernels.get()
+    if module is None:
+        pytest.skip("the native kernels did not build (no C++ compiler or ninja)")
+    cpu, trained = torch.zeros(2), torch.zeros(2, requires_grad=True)
+    assert native_kernels.for_tensors(cpu) is module
+    assert native_kernels.for_tensors(cpu, torch.zeros(2, device="meta")) is None  # not in CPU memory
+    assert native_kernels.for_tensors(cpu, trained) is None
+    with torch.no_grad():
+        assert native_kernels.for_tensors(cpu, trained) is module
+
+
 def test_turned_off_by_its_environment_variable(monkeypatch):
     native_kernels.get.cache_clear()
     monkeypatch.setenv(native_kernels.ENV, "0")
