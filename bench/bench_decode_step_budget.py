@@ -26,9 +26,8 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from bench.bench_floor import DecodeLoad, random_prompt  # noqa: E402
+from bench.bench_floor import DecodeLoad, prefill_once, random_prompt  # noqa: E402
 from bench.common import RunMonitor, markdown_table, print_header, setup  # noqa: E402
-from glmserve.core.generation import SamplingParams  # noqa: E402
 from glmserve.engine.engine import Engine, EngineConfig  # noqa: E402
 from glmserve.model.dtype_choice import resolve_dtype  # noqa: E402
 from glmserve.model.loader import load_model  # noqa: E402
@@ -62,16 +61,15 @@ def decode_step_s(load: DecodeLoad, steps: int) -> float:
 
 
 def prompt_beside(engine: Engine, prompt: list[int], tag: str) -> tuple[float, int]:
-    """Seconds and steps until the prompt's first token; the prompt is aborted then."""
-    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
-    start, steps = time.perf_counter(), 0
-    req = engine.add_request(tag, prompt, params)
-    while not req.output_ids:
+    """Seconds and steps until the prompt's first token (`prefill_once`, its steps counted)."""
+    steps = 0
+
+    def step() -> None:
+        nonlocal steps
         engine.step()
         steps += 1
-    seconds = time.perf_counter() - start
-    engine.abort(tag)
-    return seconds, steps
+
+    return prefill_once(engine, prompt, tag, step), steps
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -44,10 +44,11 @@ from glmserve.services.worker_server import (
 # A decode worker's step computes at most this many prompt tokens (the prompts it prefills itself),
 # so a long prompt runs over several steps instead of one that holds back every stream's next token
 # and every command waiting for the engine thread (reservations, admissions) for its whole length.
-# Not fewer: each step pays the engine's per-step work and smaller expert products again, and on an
-# AMX Xeon a 1,536-token prompt beside 7 decoding streams took 517 / 395 / 260 ms in steps of 256 /
-# 512 / 2,048 tokens. Under the vLLM peer's load (8 concurrent) 1,024 gave 1.2-1.3x the output
-# tokens/s of 256 at 512 and 1,536-token prompts with a lower TTFT (docs/benchmarks.md).
+# Not fewer: each step pays the engine's per-step work and smaller expert products again. On an AMX
+# Xeon a 1,536-token prompt beside 7 decoding streams cost 1.75x / 1.38x / 1.16x the work of one
+# 2,048-token step in steps of 256 / 512 / 1,024 (bench/bench_decode_step_budget.py); under the vLLM
+# peer's load 1,024 gave 1.13-1.17x the output tokens/s of 256 at 512-4,096-token prompts and 0.91-0.93x
+# the mean TTFT (docs/benchmarks.md).
 DECODE_STEP_TOKENS = 1024
 
 
