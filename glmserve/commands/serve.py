@@ -63,6 +63,7 @@ class ServeConfig:
     dtype: str = "auto"  # every worker's --dtype (checked by the workers)
     mtp: str = "auto"  # every worker's --mtp: speculative decoding, and so the KV layout they share
     decode_step_tokens: int | None = None  # the decode workers' --max-step-tokens (None: their default)
+    shared_prompt_tokens: int | None = None  # every worker's --shared-prompt-tokens (None: the engine's default)
 
     def __post_init__(self) -> None:
         if not (self.model / "config.json").is_file():
@@ -86,6 +87,8 @@ class ServeConfig:
             raise ValueError(f"migration_limit: must be >= 0, got {self.migration_limit}")
         if self.decode_step_tokens is not None and self.decode_step_tokens < 1:
             raise ValueError(f"decode_step_tokens: must be >= 1, got {self.decode_step_tokens}")
+        if self.shared_prompt_tokens is not None and self.shared_prompt_tokens < 1:
+            raise ValueError(f"shared_prompt_tokens: must be >= 1, got {self.shared_prompt_tokens}")
         self.layer_plan()  # ValueError naming prefill_stages or prefill_layer_split
         last = self.metrics_port_base + self.num_metrics_ports - 1
         if self.metrics_port_base and not (0 < self.metrics_port_base and last <= 65535):
@@ -126,7 +129,8 @@ class ServeConfig:
                    reasoning_parser=getattr(args, "reasoning_parser", cls.reasoning_parser),
                    migration_limit=getattr(args, "migration_limit", cls.migration_limit),
                    dtype=getattr(args, "dtype", cls.dtype), mtp=getattr(args, "mtp", cls.mtp),
-                   decode_step_tokens=getattr(args, "decode_step_tokens", cls.decode_step_tokens))
+                   decode_step_tokens=getattr(args, "decode_step_tokens", cls.decode_step_tokens),
+                   shared_prompt_tokens=getattr(args, "shared_prompt_tokens", cls.shared_prompt_tokens))
 
     @property
     def num_metrics_ports(self) -> int:
@@ -171,6 +175,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-step-tokens", type=int, default=None,
                    help="prompt tokens a decode worker computes per step when it prefills a prompt itself "
                         "(default: the decode workers' own)")
+    p.add_argument("--shared-prompt-tokens", type=int, default=None,
+                   help="prompt tokens several prompts may share a worker's engine step with (default: the "
+                        "engine's, 512)")
     p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for every service")
     p.add_argument("--drain-timeout", type=float, default=ServeConfig.drain_timeout_s,
                    help="on stop, seconds each service lets running requests finish")
@@ -242,6 +249,8 @@ def plan(cfg: ServeConfig) -> list[ChildSpec]:
         argv = (py, "-m", _WORKER_MODULES[kind], "--model", str(cfg.model), "--host", cfg.host,
                 "--worker-id", f"{kind}-{i}", "--transfer", cfg.transfer, "--kvstore", kv,
                 "--drain-timeout-s", str(cfg.drain_timeout_s), "--dtype", cfg.dtype, "--mtp", cfg.mtp, *labels)
+        if cfg.shared_prompt_tokens is not None:
+            argv += ("--shared-prompt-tokens", str(cfg.shared_prompt_tokens))
         if kind == "prefill" and layers is not None:
             stages = [address, *(f"{cfg.host}:{next(free)}" for _ in layers.stages[1:])]
             ports = [metrics_port, *(next(stage_metrics) for _ in layers.stages[1:])]

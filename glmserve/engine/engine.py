@@ -83,7 +83,8 @@ class Engine:
         self.host_tier: HostOffload | None = None  # the CPU KV tier's engine side, once attached
         root = prefix_cache_root(model.dtype, config, revision, tokenizer_digest) if config.prefix_caching else None
         self.kv = KVCacheManager(self.pool, config.block_size, root)
-        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_step_tokens), self.kv)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, config.max_step_tokens, config.max_shared_prompt_tokens), self.kv)
         self.runner = ModelRunner(model, self.cache)
         self.sampler = Sampler()
         self.logits_processor = LogitsProcessor(tokenizer, model.config.vocab_size, grammars)

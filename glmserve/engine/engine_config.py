@@ -22,6 +22,7 @@ class EngineConfig:
     kv_cache_bytes: int = 256 * 2**20
     max_num_seqs: int = 64
     max_step_tokens: int = 2048
+    max_shared_prompt_tokens: int = 512  # see Scheduler: prompts share a step up to this many prompt tokens
     mtp: str | int = "auto"  # "auto" (adaptive k), "off", or a fixed number of drafts
     max_drafts: int = 3
     prefix_caching: bool = True

@@ -4,7 +4,9 @@ Each step: every running request in decode gets its pending token plus its draft
 (new or resumed) take what is left of the step's token budget in chunks, so a long prompt never stalls
 decoding. A waiting prompt that would not finish in a step that already computes another prompt waits
 for the next step: on a CPU its tokens cost the same then, and the other prompt's first token comes
-without waiting for them (prompts that fit still share a step). When blocks run out, the most
+without waiting for them. Prompts that fit share a step only up to ``max_shared_prompt_tokens`` prompt
+tokens: below it a step's fixed work outweighs the wait; beyond it each prompt that joins delays the
+first tokens of those already in the step by its own compute. When blocks run out, the most
 recently arrived running request is preempted: its blocks are freed and it waits to be recomputed.
 Waiting requests are admitted by (priority, arrival).
 """
@@ -24,12 +26,15 @@ from glmserve.engine.request import Request, RequestStatus
 class SchedulerConfig:
     max_num_seqs: int = 64
     max_step_tokens: int = 2048  # main-model tokens per step (chunked-prefill budget)
+    max_shared_prompt_tokens: int = 512  # prompt tokens several prompts may share a step with
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs: must be >= 1")
         if self.max_step_tokens < 1:
             raise ValueError("max_step_tokens: must be >= 1")
+        if self.max_shared_prompt_tokens < 1:
+            raise ValueError("max_shared_prompt_tokens: must be >= 1")
 
 
 @dataclass(frozen=True)
@@ -76,6 +81,7 @@ class Scheduler:
     def schedule(self) -> list[ScheduledWork]:
         budget = self.config.max_step_tokens
         work: list[ScheduledWork] = []
+        prompt_tokens = 0  # this step's
         for req in list(self.running):
             if req not in self.running:  # preempted while making room for an earlier request
                 continue
@@ -84,12 +90,15 @@ class Scheduler:
                 continue
             work.append(ScheduledWork(req, n, not req.in_prefill))
             budget -= n
+            prompt_tokens += n if req.in_prefill else 0
         while self._waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self._waiting[0][3]
             self.kv.match_prefix(req)
             n = self._tokens_wanted(req, budget)
             if n < self._prompt_left(req) and any(not w.is_decode for w in work):
                 break  # it would only be started here: the next step, after this one's prompts
+            if prompt_tokens and prompt_tokens + n > self.config.max_shared_prompt_tokens:
+                break  # it would delay this step's prompts more than the step's fixed work saves
             if not self.kv.ensure(req, req.num_computed + n):
                 break  # no room: keep arrival order, try again next step
             heapq.heappop(self._waiting)
@@ -99,6 +108,7 @@ class Scheduler:
             self.running.append(req)
             work.append(ScheduledWork(req, n, not req.in_prefill))
             budget -= n
+            prompt_tokens += n
         return work
 
     @staticmethod

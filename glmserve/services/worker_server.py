@@ -74,6 +74,8 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-bytes", type=int, default=None, help="KV cache size (engine default if absent)")
     p.add_argument("--max-step-tokens", type=int, default=None,
                    help="prompt tokens an engine step may compute (the chunked-prefill budget; engine default if absent)")
+    p.add_argument("--shared-prompt-tokens", type=int, default=None,
+                   help="prompt tokens several prompts may share an engine step with (engine default if absent)")
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
                    help="weights and KV cache: auto (bfloat16 where the CPU has bf16 instructions, else float32)")
     p.add_argument("--mtp", default="auto",
@@ -105,6 +107,7 @@ class WorkerConfig:
     metrics_port: int | None = None
     kv_cache_bytes: int | None = None
     max_step_tokens: int | None = None  # the engine's chunked-prefill budget (None: its default)
+    shared_prompt_tokens: int | None = None  # EngineConfig.max_shared_prompt_tokens (None: its default)
     dtype: str = "auto"  # the model's and the KV cache's (`resolve_dtype`); prefill and decode must agree
     mtp: str = "auto"  # EngineConfig.mtp as spelled on the command line; prefill and decode must agree
     kvstore: str | None = None  # host:port: publish block events to its index, use its host tier
@@ -134,6 +137,8 @@ class WorkerConfig:
             raise ValueError(f"kv_cache_bytes: must be > 0, got {self.kv_cache_bytes}")
         if self.max_step_tokens is not None and self.max_step_tokens < 1:
             raise ValueError(f"max_step_tokens: must be >= 1, got {self.max_step_tokens}")
+        if self.shared_prompt_tokens is not None and self.shared_prompt_tokens < 1:
+            raise ValueError(f"shared_prompt_tokens: must be >= 1, got {self.shared_prompt_tokens}")
 
     @property
     def model_name(self) -> str:
@@ -146,6 +151,8 @@ class WorkerConfig:
             options["kv_cache_bytes"] = self.kv_cache_bytes
         if self.max_step_tokens is not None:
             options["max_step_tokens"] = self.max_step_tokens
+        if self.shared_prompt_tokens is not None:
+            options["max_shared_prompt_tokens"] = self.shared_prompt_tokens
         if self.check_integrity:
             options["check_integrity"] = True
         if self.kvstore is not None:

@@ -12,9 +12,10 @@ from glmserve.kv.block_pool import BlockPool
 BLOCK = 4
 
 
-def _scheduler(num_blocks: int = 64, max_step_tokens: int = 16, max_num_seqs: int = 8) -> Scheduler:
+def _scheduler(num_blocks: int = 64, max_step_tokens: int = 16, max_num_seqs: int = 8,
+               max_shared_prompt_tokens: int = 512) -> Scheduler:
     kv = KVCacheManager(BlockPool(num_blocks), BLOCK, root_hash=None)
-    return Scheduler(SchedulerConfig(max_num_seqs, max_step_tokens), kv)
+    return Scheduler(SchedulerConfig(max_num_seqs, max_step_tokens, max_shared_prompt_tokens), kv)
 
 
 def _req(rid: str, n: int, priority: int = 0, arrival: float = 0.0) -> Request:
@@ -68,6 +69,35 @@ def test_a_prompt_that_would_not_finish_waits_for_a_step_of_its_own():
     for rid in ("c", "d", "e"):
         s.add(_req(rid, 5))
     assert [(w.request.request_id, w.num_new) for w in s.schedule()] == [("c", 5), ("d", 5), ("e", 5)]
+
+
+def test_prompts_share_a_step_up_to_the_shared_prompt_tokens():
+    """Budget 32, sharing up to 10 prompt tokens: four 5-token prompts go two a step; a prompt over
+    the limit still runs, alone; a resumed chunk counts against the limit like a new prompt."""
+    s = _scheduler(max_step_tokens=32, max_shared_prompt_tokens=10)
+    for rid in "abcd":
+        s.add(_req(rid, 5))
+    work = s.schedule()
+    assert [w.request.request_id for w in work] == ["a", "b"]
+    _run(work)
+    assert [(w.request.request_id, w.num_new) for w in s.schedule()] == [("a", 1), ("b", 1), ("c", 5), ("d", 5)]
+    s = _scheduler(max_step_tokens=32, max_shared_prompt_tokens=10)
+    s.add(_req("long", 12))
+    s.add(_req("short", 3))
+    work = s.schedule()
+    assert [(w.request.request_id, w.num_new) for w in work] == [("long", 12)]
+    _run(work)
+    assert [(w.request.request_id, w.num_new, w.is_decode) for w in s.schedule()] == [("long", 1, True), ("short", 3, False)]
+    s = _scheduler(max_step_tokens=8, max_shared_prompt_tokens=10)
+    s.add(_req("chunked", 12))
+    _run(s.schedule())  # 8 of its 12 tokens
+    s.add(_req("next", 4))
+    assert [(w.request.request_id, w.num_new) for w in s.schedule()] == [("chunked", 4), ("next", 4)]
+    s = _scheduler(max_step_tokens=8, max_shared_prompt_tokens=6)
+    s.add(_req("chunked", 12))
+    _run(s.schedule())
+    s.add(_req("next", 4))
+    assert [(w.request.request_id, w.num_new) for w in s.schedule()] == [("chunked", 4)]
 
 
 def test_admission_follows_priority_then_arrival():

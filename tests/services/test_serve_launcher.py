@@ -165,6 +165,11 @@ def test_the_plan_fixes_every_port_on_the_host() -> None:
     assert [s.argv[s.argv.index("--max-step-tokens") + 1] for s in budget if "--max-step-tokens" in s.argv] == ["512"] * 2
     assert all(s.role == "decode" for s in budget if "--max-step-tokens" in s.argv)
     assert all("--max-step-tokens" not in s.argv for s in specs)
+    # how many prompt tokens prompts may share a step with reaches every worker process, stages too
+    shared = plan(ServeConfig(MODEL_DIR, prefill_workers=1, decode_workers=1, prefill_stages=2, shared_prompt_tokens=256))
+    assert [(s.role, s.argv[s.argv.index("--shared-prompt-tokens") + 1]) for s in shared
+            if "--shared-prompt-tokens" in s.argv] == [("prefill", "256")] * 2 + [("decode", "256")]
+    assert all("--shared-prompt-tokens" not in s.argv for s in specs)
 
 
 def test_restart_policy_backs_off_and_checks_its_fields() -> None:
@@ -192,6 +197,8 @@ def test_bad_arguments_are_refused_before_anything_starts(tmp_path: Path) -> Non
         ServeConfig(MODEL_DIR, mtp="sometimes")
     with pytest.raises(ValueError, match="decode_step_tokens"):
         ServeConfig(MODEL_DIR, decode_step_tokens=0)
+    with pytest.raises(ValueError, match="shared_prompt_tokens"):
+        ServeConfig(MODEL_DIR, shared_prompt_tokens=0)
 
 
 # --- end to end -------------------------------------------------------------------------------------

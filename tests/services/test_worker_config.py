@@ -47,6 +47,15 @@ def test_step_token_budget_is_short_on_decode_workers() -> None:
 
 
 @pytest.mark.parametrize("config", [PrefillConfig, DecodeConfig])
+def test_shared_prompt_tokens_flag_reaches_the_engine_and_is_checked(config) -> None:
+    assert "max_shared_prompt_tokens" not in config.from_args(BASE).engine_config()
+    options = config.from_args([*BASE, "--shared-prompt-tokens", "256"]).engine_config()
+    assert EngineConfig(**{k: v for k, v in options.items() if k != "dtype"}).max_shared_prompt_tokens == 256
+    with pytest.raises(ValueError, match="shared_prompt_tokens"):
+        config.from_args([*BASE, "--shared-prompt-tokens", "0"])
+
+
+@pytest.mark.parametrize("config", [PrefillConfig, DecodeConfig])
 def test_mtp_flag_reaches_the_engine_and_is_checked(config) -> None:
     """--mtp sets EngineConfig.mtp (and with it the KV layout, which prefill and decode share)."""
     assert config.from_args(BASE).engine_config()["mtp"] == "auto"
