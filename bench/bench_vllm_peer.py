@@ -70,6 +70,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="also run glmserve serve --decode-step-tokens N (the decode workers' step budget's A/B)")
     p.add_argument("--float32", action="store_true",
                    help="also run glmserve serve --dtype float32 (where auto picks bfloat16: the dtype's A/B)")
+    p.add_argument("--variant", action="append", default=[], metavar="ARGS",
+                   help="also run glmserve serve ARGS, e.g. --variant='--shared-prompt-tokens 100000' (repeatable)")
     return p.parse_args(argv)
 
 
@@ -138,6 +140,8 @@ def start_systems(args, tmp: Path) -> dict[str, tuple[Server | PeerServer, str]]
         variants[f"glmserve serve --decode-step-tokens {n}"] = (args.model, ["--decode-step-tokens", str(n)])
     if args.float32:
         variants["glmserve serve --dtype float32"] = (args.model, ["--dtype", "float32"])
+    for extra in args.variant:
+        variants[f"glmserve serve {extra}"] = (args.model, extra.split())
     if not args.no_raised_topk:
         variants["glmserve serve, index_topk raised"] = (with_index_topk(args.model, tmp / "glm52-dense", max_len), [])
     try:
