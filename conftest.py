@@ -1,7 +1,9 @@
 """Repository-wide pytest policy: with ``GLMSERVE_STRICT_SKIPS=1`` (set by ``.ci/run``) a skipped test
 fails, naming its skip reason. Tests skip when a dependency is missing (redis-server, promtool, helm,
 the bundled model, NIXL); on CI the install step provides all of them, so a skip there is a broken
-install, not a pass."""
+install, not a pass. The one exception is the ``cpu_feature(available, feature=...)`` marker: a test of
+a path only CPUs with that feature take (bfloat16 instructions) skips where the CPU lacks it, and that
+skip passes: no install can add the feature."""
 
 from __future__ import annotations
 
@@ -27,10 +29,21 @@ def _fail_skip(report: pytest.TestReport | pytest.CollectReport) -> None:
     report.longrepr = f"skipped, which fails under GLMSERVE_STRICT_SKIPS=1: {reason}"
 
 
+_LACKS_FEATURE = pytest.StashKey[bool]()
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    marker = item.get_closest_marker("cpu_feature")
+    if marker is not None and not marker.args[0]:
+        item.stash[_LACKS_FEATURE] = True
+        pytest.skip(f"this CPU lacks {marker.kwargs['feature']}")
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> object:
     outcome = yield
-    _fail_skip(outcome.get_result())
+    if not item.stash.get(_LACKS_FEATURE, False):
+        _fail_skip(outcome.get_result())
 
 
 @pytest.hookimpl(hookwrapper=True)

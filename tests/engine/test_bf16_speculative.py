@@ -44,7 +44,7 @@ def test_bf16_speculative_equals_non_speculative(bf16_model, mtp):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(auto_dtype() != torch.bfloat16, reason="bfloat16 is not this CPU's engine dtype")
+@pytest.mark.cpu_feature(auto_dtype() == torch.bfloat16, feature="bfloat16 instructions (auto is float32 here)")
 def test_bundled_model_at_batch_32_speculates_losslessly():
     # 32 code prompts at once: verification steps of 64 rows against decode steps of 32, where oneDNN
     # summed rows of 33+ row products in another order (fixed by PackedLinear.MAX_ROWS); 1 request in

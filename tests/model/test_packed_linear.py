@@ -79,7 +79,7 @@ def test_a_deep_copy_packs_its_own_weight(dtype):
     assert torch.equal(copied(x), linear(x))
 
 
-@pytest.mark.skipif(not BF16_PACKS, reason="no oneDNN bfloat16")
+@pytest.mark.cpu_feature(BF16_PACKS, feature="oneDNN bfloat16 (no bf16 instructions)")
 def test_packed_bfloat16_rows_do_not_depend_on_the_batch():
     # With 33-128 rows and 512 inputs, oneDNN sums some rows in another order than with 32 or fewer: a
     # verification step of 64 rows disagreed with the decode step of 32 it verifies. Blocks of MAX_ROWS.
