@@ -43,7 +43,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from bench.common import load_average, markdown_table, print_header  # noqa: E402
+from bench.common import int_list, load_average, markdown_table, print_header  # noqa: E402
 from glmserve.commands.free_ports import PortPicker  # noqa: E402
 from glmserve.kv.transfer import (  # noqa: E402
     make_backend,
@@ -67,10 +67,6 @@ GLM52_KV = {
     "index_topk_freq": 4, "index_skip_topk_offset": 3, "num_nextn_predict_layers": 1,
     "max_position_embeddings": 1048576, "rope_theta": 8000000.0,
 }  # fmt: skip
-
-
-def int_list(text: str) -> list[int]:
-    return [int(v) for v in text.split(",") if v]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

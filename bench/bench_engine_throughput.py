@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from bench.common import markdown_table, print_header, rotated, setup  # noqa: E402
+from bench.common import int_list, markdown_table, print_header, rotated, setup  # noqa: E402
 from glmserve.core.generation import SamplingParams  # noqa: E402
 from glmserve.engine.engine import Engine, EngineConfig  # noqa: E402
 from glmserve.engine.engine_stats import EngineStats  # noqa: E402
@@ -39,10 +39,6 @@ from tools.tiny_corpus import stdlib_texts  # noqa: E402
 
 AGREE_TOKENS = 16
 WARMUP_TOKENS = 32
-
-
-def int_list(text: str) -> list[int]:
-    return [int(v) for v in text.split(",") if v]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -21,6 +21,7 @@ try:
     from bench.common import (
         MiB,
         RunMonitor,
+        int_list,
         markdown_table,
         peak_alloc_bytes,
         print_header,
@@ -33,6 +34,7 @@ except ImportError:  # run as a script: bench/ is on sys.path
     from common import (
         MiB,
         RunMonitor,
+        int_list,
         markdown_table,
         peak_alloc_bytes,
         print_header,
@@ -50,10 +52,6 @@ from glmserve.model.paged_cache import PagedKVCache
 
 BLOCK_SIZE = 64
 DENSE_TOPK = 2**30  # above any context: the indexer selects everything and attention is dense
-
-
-def int_list(text: str) -> list[int]:
-    return [int(v) for v in text.split(",") if v]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -38,7 +38,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench.bench_host_tier import Proc, free_port, source_tokens  # noqa: E402
-from bench.common import load_average, markdown_table, print_header, rotated  # noqa: E402
+from bench.common import int_list, load_average, markdown_table, print_header, rotated  # noqa: E402
 from glmserve.core.generation import SamplingParams  # noqa: E402
 from glmserve.model.config import GlmConfig  # noqa: E402
 from glmserve.model.glm_model import GlmForCausalLM, init_random  # noqa: E402
@@ -61,10 +61,6 @@ KV_WIDE = {
     "index_skip_topk_offset": 3, "num_nextn_predict_layers": 1, "max_position_embeddings": 32768,
     "rope_parameters": {"rope_type": "default", "rope_theta": 8e6}, "eos_token_id": [0],
 }  # fmt: skip
-
-
-def int_list(text: str) -> list[int]:
-    return [int(v) for v in text.split(",") if v]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -25,15 +25,11 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench.bench_floor import random_prompt  # noqa: E402
-from bench.common import RunMonitor, markdown_table, print_header, setup  # noqa: E402
+from bench.common import RunMonitor, int_list, markdown_table, print_header, setup  # noqa: E402
 from glmserve.core.generation import SamplingParams  # noqa: E402
 from glmserve.engine.engine import Engine, EngineConfig  # noqa: E402
 from glmserve.model.dtype_choice import resolve_dtype  # noqa: E402
 from glmserve.model.loader import load_model  # noqa: E402
-
-
-def int_list(text: str) -> list[int]:
-    return [int(v) for v in text.split(",") if v]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

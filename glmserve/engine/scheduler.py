@@ -95,7 +95,7 @@ class Scheduler:
             req = self._waiting[0][3]
             self.kv.match_prefix(req)
             n = self._tokens_wanted(req, budget)
-            if n < self._prompt_left(req) and any(not w.is_decode for w in work):
+            if n < self._prompt_left(req) and prompt_tokens:
                 break  # it would only be started here: the next step, after this one's prompts
             if prompt_tokens and prompt_tokens + n > self.config.max_shared_prompt_tokens:
                 break  # it would delay this step's prompts more than the step's fixed work saves
