@@ -3,7 +3,8 @@
 Each row runs the same call twice per round, once with the kernels and once with `native_kernels.get`
 answering None (the torch ops, as without a compiler or with GLMSERVE_NATIVE_KERNELS=0), in
 alternating order. Three levels: (1) each kernel alone at the bundled model's shapes (the indexer's
-selection over one prompt, the decode indexer's scores, RMSNorm, RoPE); (2) a cold prefill on an idle engine, with
+selection over one prompt, the decode indexer's scores, the decode attention over the selected rows,
+RMSNorm, RoPE); (2) a cold prefill on an idle engine, with
 the bundled model as it is and with `index_topk` raised above the prompt (no selection: only RMSNorm
 and RoPE differ); (3) a decode step at batch B over C-token contexts.
 
@@ -30,6 +31,7 @@ from bench.common import RunMonitor, markdown_table, print_header, setup, time_i
 from bench.vllm_peer import with_index_topk  # noqa: E402
 from glmserve.engine.engine import Engine, EngineConfig  # noqa: E402
 from glmserve.model import native_kernels  # noqa: E402
+from glmserve.model.attention import attend_rows, selected_rows  # noqa: E402
 from glmserve.model.dtype_choice import resolve_dtype  # noqa: E402
 from glmserve.model.indexer import Indexer  # noqa: E402
 from glmserve.model.loader import load_model  # noqa: E402
@@ -85,6 +87,15 @@ def kernel_rows(config, dtype: torch.dtype, rounds: int, gen: torch.Generator) -
     last = torch.full((batch, 1), block * width - 1)
     rows.append(row(f"decode indexer scores, {batch} x {block * width} keys from the paged cache",
                     both_ways(lambda: ix.paged_scores(dq, dw, pool, tables, last)), rounds, 1e3, "ms"))
+    # Decode attention: each of the 32 queries over its top-k latent rows of those blocks (cold: a pool
+    # of 150 MB at float32).
+    row_width, latent = config.kv_lora_rank + rope_dim, config.kv_lora_rank
+    rows_pool = torch.randn(pool.shape[0], block, row_width, generator=gen).to(dtype)
+    selected = torch.stack([torch.randperm(block * width, generator=gen)[:k] for _ in range(batch)]).view(batch, 1, k)
+    located = selected_rows(rows_pool, tables, last, selected, None)
+    query = torch.randn(batch, 1, heads, row_width, generator=gen).to(dtype)
+    rows.append(row(f"decode attention, {batch} x top-{k} of {block * width} latent rows from the paged cache",
+                    both_ways(lambda: attend_rows(query, rows_pool, *located, latent)), rounds, 1e3, "ms"))
     for tokens in (32, 1536):
         x, w = torch.randn(tokens, hidden, generator=gen).to(dtype), torch.randn(hidden, generator=gen).to(dtype)
         rows.append(row(f"RMSNorm [{tokens}, {hidden}] {str(dtype)[6:]}", both_ways(lambda x=x, w=w: rms_norm(x, w, 1e-5)),

@@ -8,17 +8,22 @@ gathers, top-k, Python, small-op overhead) is the gap between the step and its f
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from glmserve.model import native_kernels
+
 # The GEMM kernels every matmul, linear and einsum ends in on CPU, and how to rebuild their operands;
 # PACKED_LINEAR is PackedLinear's oneDNN product on a prepacked weight (recorded as [in, out]).
 PACKED_LINEAR = "mkldnn::_linear_pointwise"
 GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", PACKED_LINEAR)
+DTYPES = {"float": torch.float32, "c10::BFloat16": torch.bfloat16, "c10::Half": torch.float16}
+DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 
 @dataclass(frozen=True)
@@ -35,14 +40,58 @@ class Gemm:
 
 
 def record(fn: Callable[[], Any]) -> tuple[Any, list[Gemm], Any]:
-    """Run `fn` under the profiler: (its result, the GEMMs it ran in order, the profile)."""
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+    """Run `fn` under the profiler: (its result, the GEMMs it ran, the profile). The native kernels'
+    products come last: the profiler does not see them."""
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof, _native_products() as native:
         result = fn()
     gemms = []
     for event in prof.events():
         if event.name in GEMM_OPS and _no_gemm_parent(event):
             gemms.append(Gemm(event.name, _operand_shapes(event), _dtype(event)))
-    return result, gemms, prof
+    return result, gemms + native, prof
+
+
+def _latent_attention(query, view, index, allowed, latent_dim) -> list[Gemm]:
+    """attend_rows' two batched products: scores over the selected rows, then their weighted sum."""
+    b, s, h, c = query.shape
+    k, dtype = index.shape[-1], DTYPE_NAMES[view.dtype]
+    return [Gemm("aten::bmm", ((b * s, h, c), (b * s, c, k)), dtype), Gemm("aten::bmm", ((b * s, h, k), (b * s, k, c)), dtype)]
+
+
+def _index_scores(q, weights, keys, tables, positions) -> list[Gemm]:
+    """Indexer.scores' two float32 products: every head's scores over the context, then their weighted sum."""
+    b, s, h, d = q.shape
+    t = tables.shape[1] * keys.shape[1]
+    return [Gemm("aten::bmm", ((b, s * h, d), (b, d, t)), "float"), Gemm("aten::bmm", ((b * s, 1, h), (b * s, h, t)), "float")]
+
+
+# The native kernels (glmserve/model/csrc) that compute matrix products, and the GEMMs the torch ops they
+# replace run for the same call: the floor counts those products however the step computes them.
+NATIVE_PRODUCTS = {"paged_latent_attention": _latent_attention, "paged_index_scores": _index_scores}
+
+
+@contextmanager
+def _native_products() -> Iterator[list[Gemm]]:
+    """The GEMMs of the native kernels' calls while the block runs (the kernels' own results unchanged)."""
+    module, gemms = native_kernels.get(), []
+    if module is None:
+        yield gemms
+        return
+    originals = {name: getattr(module, name) for name in NATIVE_PRODUCTS}
+
+    def recorded(name):
+        def call(*args):
+            gemms.extend(NATIVE_PRODUCTS[name](*args))
+            return originals[name](*args)
+        return call
+
+    try:
+        for name in NATIVE_PRODUCTS:
+            setattr(module, name, recorded(name))
+        yield gemms
+    finally:
+        for name, original in originals.items():
+            setattr(module, name, original)
 
 
 def _operand_shapes(event) -> tuple[tuple[int, ...], ...]:
@@ -67,7 +116,6 @@ def _dtype(event) -> str:
     return types[0] if types else "float"
 
 
-DTYPES = {"float": torch.float32, "c10::BFloat16": torch.bfloat16, "c10::Half": torch.float16}
 
 
 def replay_fn(gemms: list[Gemm]) -> Callable[[], None]:

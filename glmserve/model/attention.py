@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from glmserve.model import native_kernels
 from glmserve.model.absorbed_projections import AbsorbedProjections
 from glmserve.model.config import GlmConfig
 from glmserve.model.decode_group import DecodeGroup
@@ -318,7 +319,12 @@ def selected_rows(view: torch.Tensor, tables: torch.Tensor, positions: torch.Ten
 
 def attend_rows(query: torch.Tensor, view: torch.Tensor, index: torch.Tensor, allowed: torch.Tensor | None,
                 latent_dim: int) -> torch.Tensor:
-    """attend_selected over rows located by `selected_rows`."""
+    """attend_selected over rows located by `selected_rows`. The native kernel reads the rows in place,
+    without their copy (cold in cache: a decode step reads every layer of every sequence), the two
+    products, mask and softmax as passes of their own."""
+    native = native_kernels.for_tensors(query, view) if query.dtype == view.dtype else None
+    if native is not None:
+        return native.paged_latent_attention(query.float(), view, index, allowed, latent_dim)
     rows = PagedKVCache.rows_at(view, index).to(query.dtype)
     probs = masked_softmax(torch.matmul(query, rows.transpose(-1, -2)), allowed, query.dtype)
     # The value product runs over the whole rows (rope columns included): slicing them first would copy them.

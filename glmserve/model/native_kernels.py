@@ -9,7 +9,11 @@ not arithmetic (numbers from an AMX Xeon, one thread):
 - `rms_norm` (csrc/rms_norm.cpp): GLM's bfloat16 RMSNorm in one pass per row instead of eight ops;
 - `rope` (csrc/rope.cpp): the interleaved rotation in one pass instead of ten ops, the same bits;
 - `paged_index_scores` (csrc/paged_index_scores.cpp): the decode indexer's scores, read through the block
-  tables, instead of a gathered copy of the keys, their conversion, two products and a mask.
+  tables, instead of a gathered copy of the keys, their conversion, two products and a mask;
+- `paged_latent_attention` (csrc/paged_latent_attention.cpp): decode and verification attention over each
+  query's selected latent rows, read in place, instead of a gathered copy of the rows, two batched
+  products, a mask and a softmax (32 queries over 128 rows: 0.5x the time; a batch-32 decode step ~0.9x,
+  AVX2 EPYC, float32).
 
 `python bench/bench_native_kernels.py` measures each against the torch ops, and a prefill and a
 decode step with them and without.

@@ -1,7 +1,8 @@
 """The native kernels compute what the torch ops compute: the top-k the same positions, for every row
 length, tie pattern and causal length (`select_tiled` the same selection with it and without it); RoPE
 the same bits; the bfloat16 RMSNorm the same values but for rare elements a rounding step apart; the
-decode indexer's scores from the paged cache the same to float rounding."""
+decode indexer's scores from the paged cache the same to float rounding, and so the absorbed attention over
+the selected rows of the paged cache."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch.nn.functional as F
 from reference import config_dict
 
 from glmserve.model import native_kernels
+from glmserve.model.attention import attend_rows, selected_rows
 from glmserve.model.config import GlmConfig
 from glmserve.model.indexer import Indexer, top_k_earliest
 from glmserve.model.norms import rms_norm
@@ -169,6 +171,52 @@ def test_paged_scores_refuse_a_block_id_outside_the_pool():
     assert module.paged_index_scores(q, weights, view, torch.tensor([[3, 2]]), positions).shape == (1, 1, 32)
     with pytest.raises(RuntimeError, match="block id out of range"):
         module.paged_index_scores(q, weights, view, torch.tensor([[1, 4]]), positions)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("heads", "width", "latent"), [(4, 144, 128), (5, 40, 24)])
+@torch.no_grad()
+def test_latent_attention_equals_the_torch_ops_to_float_rounding(monkeypatch, dtype, heads, width, latent):
+    """Rows in one layer's strided view of the block pool, blocks in any order; decode and verification
+    queries; selections of any width, with rows a query may not attend and a query that may attend none
+    (it attends all alike, as the torch softmax over a filled mask does); head counts and widths off the
+    kernel's groups of four heads and sixteen columns."""
+    if native_kernels.get() is None:
+        pytest.skip("the native kernels did not build (no C++ compiler or ninja)")
+    block, num_blocks = 16, 60
+    g = torch.Generator().manual_seed(heads)
+    pool = torch.randn(num_blocks, 24 + block * width, generator=g).to(dtype)  # other layers' values around it
+    view = pool[:, 24:].view(num_blocks, block, width)
+    for batch, queries, k in ((7, 1, 13), (3, 4, 40), (1, 1, 1)):
+        tables = torch.randperm(num_blocks, generator=g)[: batch * 6].view(batch, 6)
+        positions = torch.randint(k + queries, 6 * block, (batch, 1), generator=g) - queries + 1 + torch.arange(queries)
+        selected = torch.stack([torch.randperm(int(p.max()) + 1, generator=g)[:k] for p in positions])
+        selected = selected[:, None].expand(-1, queries, -1).clone()
+        selected[0, 0, : k // 2] = positions[0, 0] + 1  # after the query: not attended
+        valid = torch.ones_like(selected, dtype=torch.bool)
+        valid[-1, -1] = False  # a query that may attend none of its rows
+        query = (torch.randn(batch, queries, heads, width, generator=g) * 0.1).to(dtype)
+        located = selected_rows(view, tables, positions, selected, valid)
+        native = attend_rows(query, view, *located, latent)
+        with monkeypatch.context() as m:
+            m.setattr(native_kernels, "get", lambda: None)
+            torch_ops = attend_rows(query, view, *located, latent)
+        assert native.dtype == dtype and native.shape == torch_ops.shape == (batch, queries, heads, latent)
+        tolerance = 1e-2 if dtype == torch.bfloat16 else 1e-5
+        torch.testing.assert_close(native, torch_ops, rtol=tolerance, atol=tolerance)
+        # a sequence's output does not depend on the batch around it (decode and verification agree)
+        alone = attend_rows(query[-1:], view, located[0][-1:], located[1][-1:], latent)
+        assert torch.equal(alone, native[-1:])
+
+
+def test_latent_attention_refuses_a_row_outside_the_cache():
+    module = native_kernels.get()
+    if module is None:
+        pytest.skip("the native kernels did not build (no C++ compiler or ninja)")
+    view, query = torch.zeros(4, 16, 8), torch.zeros(1, 1, 2, 8)
+    assert module.paged_latent_attention(query, view, torch.tensor([[[63, 0]]]), None, 4).shape == (1, 1, 2, 4)
+    with pytest.raises(RuntimeError, match="a row outside the cache"):
+        module.paged_latent_attention(query, view, torch.tensor([[[64, 0]]]), None, 4)
 
 
 def test_kernels_take_only_cpu_tensors_outside_autograd():
