@@ -98,8 +98,21 @@ def test_rms_norm_equals_the_torch_ops_but_for_rare_rounding_steps(monkeypatch, 
     assert ((native.float() - torch_ops.float()).abs()[apart] <= steps[apart]).all()
 
 
+@pytest.mark.parametrize("width", [256, 192, 7168, 7])
+def test_float32_rms_norm_equals_the_torch_ops_to_a_few_last_bits(monkeypatch, width):
+    if native_kernels.get() is None:
+        pytest.skip("the native kernels did not build (no C++ compiler or ninja)")
+    g = torch.Generator().manual_seed(width)
+    x = torch.randn(3000, width, generator=g) * torch.rand(3000, 1, generator=g) * 10
+    weight = torch.randn(width, generator=g)
+    native = rms_norm(x[:, None].expand(-1, 2, -1)[:, 1], weight, 1e-5)  # a strided input
+    monkeypatch.setattr(native_kernels, "get", lambda: None)
+    torch_ops = rms_norm(x, weight, 1e-5)
+    torch.testing.assert_close(native, torch_ops, rtol=5e-7, atol=1e-30)  # the mean a bit apart: 1-3 last bits
+
+
 def test_rms_norm_outside_its_case_runs_the_torch_ops():
-    """float32, and bfloat16 under autograd (training), take the torch ops."""
+    """Either dtype under autograd (training) takes the torch ops."""
     x = torch.randn(4, 8, requires_grad=True)
     weight = torch.rand(8)
     rms_norm(x, weight, 1e-5).sum().backward()
