@@ -4,7 +4,7 @@ Each row runs the same call twice per round, once with the kernels and once with
 answering None (the torch ops, as without a compiler or with GLMSERVE_NATIVE_KERNELS=0), in
 alternating order. Three levels: (1) each kernel alone at the bundled model's shapes (the indexer's
 selection over one prompt, the decode indexer's scores, the decode attention over the selected rows,
-RMSNorm, RoPE); (2) a cold prefill on an idle engine, with
+float32 products over bfloat16-held weights, RMSNorm, RoPE); (2) a cold prefill on an idle engine, with
 the bundled model as it is and with `index_topk` raised above the prompt (no selection: only RMSNorm
 and RoPE differ); (3) a decode step at batch B over C-token contexts.
 
@@ -18,6 +18,7 @@ import sys
 import tempfile
 from collections.abc import Callable
 from functools import partial
+from itertools import cycle
 from pathlib import Path
 
 import torch
@@ -36,6 +37,7 @@ from glmserve.model.dtype_choice import resolve_dtype  # noqa: E402
 from glmserve.model.indexer import Indexer  # noqa: E402
 from glmserve.model.loader import load_model  # noqa: E402
 from glmserve.model.norms import rms_norm  # noqa: E402
+from glmserve.model.packed_linear import PackedLinear  # noqa: E402
 from glmserve.model.rope import apply_rope  # noqa: E402
 
 KERNELS = native_kernels.get
@@ -96,6 +98,7 @@ def kernel_rows(config, dtype: torch.dtype, rounds: int, gen: torch.Generator) -
     query = torch.randn(batch, 1, heads, row_width, generator=gen).to(dtype)
     rows.append(row(f"decode attention, {batch} x top-{k} of {block * width} latent rows from the paged cache",
                     both_ways(lambda: attend_rows(query, rows_pool, *located, latent)), rounds, 1e3, "ms"))
+    rows += linear_rows(config, rounds, gen)
     for tokens in (32, 1536):
         x, w = torch.randn(tokens, hidden, generator=gen).to(dtype), torch.randn(hidden, generator=gen).to(dtype)
         rows.append(row(f"RMSNorm [{tokens}, {hidden}] {str(dtype)[6:]}", both_ways(lambda x=x, w=w: rms_norm(x, w, 1e-5)),
@@ -107,6 +110,30 @@ def kernel_rows(config, dtype: torch.dtype, rounds: int, gen: torch.Generator) -
         rows.append(row(f"RoPE [{tokens}, {heads}, {rope_dim}] {str(dtype)[6:]}",
                         both_ways(lambda x=x, cos=cos, sin=sin: apply_rope(x, cos, sin)), rounds, 1e6, "us"))
     return rows
+
+
+def linear_rows(config, rounds: int, gen: torch.Generator) -> list[list[str]]:
+    """PackedLinear on float32 weights that bfloat16 holds: bfloat16 panels (native) against oneDNN's
+    float32 layout (the torch ops), each call on the next of enough copies of the weight to exceed the L3,
+    as a decode step meets its weights."""
+    hidden, experts = config.hidden_size, config.n_routed_experts
+    moe_width = 2 * (experts + config.n_shared_experts) * config.moe_intermediate_size
+    rows = []
+    for out_features, in_features, label in ((moe_width, hidden, "MoE gate_up"), (config.vocab_size, hidden, "LM head")):
+        weight = torch.randn(out_features, in_features, generator=gen).bfloat16().float()
+        copies = max(2, int(96e6 // weight.nbytes))
+        panels = [PackedLinear.of(weight.clone()) for _ in range(copies)]
+        onednn = [PackedLinear(p.weight, torch.ops.mkldnn._reorder_linear_weight(p.weight, None)) for p in panels]
+        for batch in (8, 32):
+            x = torch.randn(batch, in_features, generator=gen)
+            fns = {"native": partial(next_call, cycle(panels), x), "torch ops": partial(next_call, cycle(onednn), x)}
+            rows.append(row(f"{label} [{batch}, {in_features}] x [{in_features}, {out_features}], cold weights",
+                            fns, rounds, 1e6, "us"))
+    return rows
+
+
+def next_call(linears, x: torch.Tensor) -> torch.Tensor:
+    return next(linears)(x)
 
 
 class PromptSource:

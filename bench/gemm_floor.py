@@ -65,9 +65,15 @@ def _index_scores(q, weights, keys, tables, positions) -> list[Gemm]:
     return [Gemm("aten::bmm", ((b, s * h, d), (b, d, t)), "float"), Gemm("aten::bmm", ((b * s, 1, h), (b * s, h, t)), "float")]
 
 
+def _bf16_weight_linear(x, panels, out_features) -> list[Gemm]:
+    """PackedLinear's product, as oneDNN's float32 product on the float32 weight computes it."""
+    return [Gemm(PACKED_LINEAR, (tuple(x.shape), (x.shape[1], out_features)), "float")]
+
+
 # The native kernels (glmserve/model/csrc) that compute matrix products, and the GEMMs the torch ops they
 # replace run for the same call: the floor counts those products however the step computes them.
-NATIVE_PRODUCTS = {"paged_latent_attention": _latent_attention, "paged_index_scores": _index_scores}
+NATIVE_PRODUCTS = {"paged_latent_attention": _latent_attention, "paged_index_scores": _index_scores,
+                   "bf16_weight_linear": _bf16_weight_linear}
 
 
 @contextmanager

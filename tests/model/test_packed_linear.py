@@ -1,5 +1,6 @@
 """PackedLinear: bfloat16 computes the same bits as F.linear, float32 the same values to rounding and the same
-bits for a row however many rows a call has; decode_forward with prepacked weights equals it without."""
+bits for a row however many rows a call has (oneDNN's layout, or bfloat16 panels for float32 weights that
+bfloat16 holds); decode_forward with prepacked weights equals it without."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from test_decode_forward import BLOCK, NUM_BLOCKS, _model, _prompt
 
+from glmserve.model import native_kernels
 from glmserve.model.forward_batch import ForwardBatch
 from glmserve.model.graph_weights import GraphWeights
 from glmserve.model.kv_layout import KVLayout
@@ -49,6 +51,26 @@ def test_packed_float32_rows_do_not_depend_on_the_batch():
     torch.testing.assert_close(whole, F.linear(x, weight), rtol=1e-5, atol=1e-4)
     for rows in (1, 8, 9, 33):  # a decode step, a verification step, a row alone
         assert torch.equal(torch.cat([linear(part) for part in x.split(rows)]), whole)
+
+
+@torch.no_grad()
+def test_float32_weights_bfloat16_holds_run_as_bfloat16_panels():
+    if native_kernels.get() is None:
+        pytest.skip("the native kernels did not build (no C++ compiler or ninja)")
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(2310, 200, generator=gen).bfloat16().float()  # the columns end inside a panel
+    linear = PackedLinear.of(weight)
+    assert linear.bf16_panels is not None and linear.packed is None
+    x = torch.randn(70, 250, generator=gen)[:, 30:230]  # a strided view
+    whole = linear(x)
+    torch.testing.assert_close(whole, F.linear(x, weight), rtol=1e-5, atol=1e-4)
+    for rows in (1, 3, 4, 5, 8, 33):  # a row's bits do not depend on the rows around it
+        assert torch.equal(torch.cat([linear(part) for part in x.split(rows)]), whole)
+    assert torch.equal(linear(x.reshape(2, 35, 200)), whole.view(2, 35, -1))
+    copied = copy.deepcopy(linear)
+    assert copied.bf16_panels is not None and torch.equal(copied(x), whole)
+    assert torch.equal(PackedLinear.of(weight, prepack=False)(x), F.linear(x, weight))
+    assert PackedLinear.of(weight + 1e-3).bf16_panels is None  # values bfloat16 would round: oneDNN's float32
 
 
 def test_bfloat16_decode_is_the_same_with_and_without_prepacked_weights():

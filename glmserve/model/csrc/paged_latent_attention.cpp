@@ -60,6 +60,8 @@ inline Floats fma(Floats a, Floats b, Floats c) {
 #endif
 }
 
+inline Floats broadcast(float x) { return Floats{x, x, x, x, x, x, x, x}; }  // not {} + x: a scalar add first
+
 inline float sum(Floats v) {
   typedef float Half __attribute__((vector_size(16)));
   Half h = __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
@@ -179,7 +181,7 @@ void weigh_heads(const float* p, const float* const* rows, const Shapes& s, int6
     Floats a0 = {}, b0 = {}, a1 = {}, b1 = {}, a2 = {}, b2 = {}, a3 = {}, b3 = {};
     for (int64_t k = 0; k < s.selected; ++k) {
       const Floats r = load(rows[k] + c), t = load(rows[k] + c + kWidth);
-      const Floats w0 = Floats{} + p0[k], w1 = Floats{} + p1[k], w2 = Floats{} + p2[k], w3 = Floats{} + p3[k];
+      const Floats w0 = broadcast(p0[k]), w1 = broadcast(p1[k]), w2 = broadcast(p2[k]), w3 = broadcast(p3[k]);
       a0 = fma(w0, r, a0), b0 = fma(w0, t, b0), a1 = fma(w1, r, a1), b1 = fma(w1, t, b1);
       a2 = fma(w2, r, a2), b2 = fma(w2, t, b2), a3 = fma(w3, r, a3), b3 = fma(w3, t, b3);
     }
