@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
 from glmserve.model import native_kernels
 
@@ -78,7 +78,8 @@ NATIVE_PRODUCTS = {"paged_latent_attention": _latent_attention, "paged_index_sco
 
 @contextmanager
 def _native_products() -> Iterator[list[Gemm]]:
-    """The GEMMs of the native kernels' calls while the block runs (the kernels' own results unchanged)."""
+    """The GEMMs of the native kernels' calls while the block runs (the kernels' own results unchanged),
+    and each call as a `native::` event of the profile."""
     module, gemms = native_kernels.get(), []
     if module is None:
         yield gemms
@@ -88,7 +89,8 @@ def _native_products() -> Iterator[list[Gemm]]:
     def recorded(name):
         def call(*args):
             gemms.extend(NATIVE_PRODUCTS[name](*args))
-            return originals[name](*args)
+            with record_function(f"native::{name}"):  # in the profile's top ops too
+                return originals[name](*args)
         return call
 
     try:
