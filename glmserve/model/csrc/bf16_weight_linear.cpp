@@ -17,6 +17,7 @@
 #include <cstring>
 
 #include "bfloat16_bits.h"
+#include "float_vectors.h"
 
 #ifdef __AVX2__
 #include <immintrin.h>
@@ -27,17 +28,9 @@ namespace {
 constexpr int64_t kPanel = 16;  // output columns per panel: two registers of eight floats
 constexpr int64_t kRows = 4;    // input rows per pass over a panel: 8 accumulators
 
-typedef float Floats __attribute__((vector_size(32)));
-
-inline Floats fma(Floats a, Floats b, Floats c) {
-#ifdef __FMA__
-  return (Floats)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
-#else
-  return a * b + c;
-#endif
-}
-
-inline Floats broadcast(float x) { return Floats{x, x, x, x, x, x, x, x}; }  // not {} + x: a scalar add first
+using glmserve::broadcast;
+using glmserve::fma;
+using glmserve::Floats;
 
 // Eight bfloat16 values widened to float32 (the bits shifted into the high half).
 inline Floats widen8(const uint16_t* p) {

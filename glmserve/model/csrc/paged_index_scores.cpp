@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "bfloat16_bits.h"
+#include "float_vectors.h"
 
 namespace {
 
@@ -44,17 +45,11 @@ void load_tile(const Key* keys, int64_t block_stride, int64_t row_stride, const 
   }
 }
 
-// Eight floats in one register (GCC/Clang vector extensions; AVX2 on x86-64): the compiler's own
-// vectoriser made a scalar mess of this loop nest.
-typedef float Floats __attribute__((vector_size(32)));
+using glmserve::broadcast;
+using glmserve::Floats;
+using glmserve::load;
 typedef int32_t Ints __attribute__((vector_size(32)));
-constexpr int64_t kWidth = 8;
-
-inline Floats load(const float* p) {
-  Floats v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
+constexpr int64_t kWidth = glmserve::kFloats;
 
 inline Floats relu(Floats x) { return (Floats)((Ints)x & (x > Floats{})); }
 
@@ -68,12 +63,12 @@ void score_tile(const float* q, const float* weights, const float* tile, int64_t
       const float* qh = q + h * dim;
       Floats head0 = {}, head1 = {};
       for (int64_t d = 0; d < dim; ++d) {
-        const Floats qd = Floats{} + qh[d];
+        const Floats qd = broadcast(qh[d]);
         const float* column = tile + d * kTile + i0;
         head0 += qd * load(column);
         head1 += qd * load(column + kWidth);
       }
-      const Floats w = Floats{} + weights[h];
+      const Floats w = broadcast(weights[h]);
       total0 += w * relu(head0);
       total1 += w * relu(head1);
     }

@@ -22,21 +22,19 @@
 #include <cstring>
 #include <limits>
 #include <numeric>
+#include <type_traits>
 #include <vector>
 
 #include "bfloat16_bits.h"
-
-#ifdef __FMA__
-#include <immintrin.h>
-#endif
+#include "float_vectors.h"
 
 namespace {
 
-typedef float Floats __attribute__((vector_size(32)));
-constexpr int64_t kWidth = 8;
-
-inline float widen(float x) { return x; }
-inline float widen(c10::BFloat16 x) { return glmserve::widen(x.x); }
+using glmserve::broadcast;
+using glmserve::fma;
+using glmserve::Floats;
+using glmserve::load;
+constexpr int64_t kWidth = glmserve::kFloats;
 
 // The rounding of a value the torch ops would hold in the cache's dtype.
 inline float as_stored(float x, float) { return x; }
@@ -44,23 +42,6 @@ inline float as_stored(float x, c10::BFloat16) { return glmserve::widen(glmserve
 
 inline void store(float x, float* out) { *out = x; }
 inline void store(float x, c10::BFloat16* out) { out->x = glmserve::narrow(x); }
-
-inline Floats load(const float* p) {
-  Floats v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-// a * b + c rounded once where the CPU can (the matmuls these products replace do the same).
-inline Floats fma(Floats a, Floats b, Floats c) {
-#ifdef __FMA__
-  return (Floats)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
-#else
-  return a * b + c;
-#endif
-}
-
-inline Floats broadcast(float x) { return Floats{x, x, x, x, x, x, x, x}; }  // not {} + x: a scalar add first
 
 inline float sum(Floats v) {
   typedef float Half __attribute__((vector_size(16)));
@@ -84,9 +65,10 @@ struct Shapes {
   int64_t queries, heads, width, latent, selected, step, windows;
 };
 
-// A row as float32: float32 rows are read in place, bfloat16 ones widened into `out`.
-inline const float* widened(const float* row, int64_t, float*) { return row; }
-inline const float* widened(const c10::BFloat16* row, int64_t width, float* out) {
+// Row k as float32: float32 rows are read in place, bfloat16 ones widened into buffer row k.
+inline const float* widened(const float* row, int64_t, float*, int64_t) { return row; }
+inline const float* widened(const c10::BFloat16* row, int64_t width, float* buffer, int64_t k) {
+  float* out = buffer + k * width;
   for (int64_t c = 0; c < width; ++c) out[c] = glmserve::widen(row[c].x);
   return out;
 }
@@ -128,13 +110,13 @@ typedef int32_t Ints __attribute__((vector_size(32)));
 // vectorised exp torch's softmax runs), 2^n from the exponent bits; 0 below -87.3 (where expf is 0 or
 // subnormal), as for the masked scores.
 inline Floats exp8(Floats x) {
-  const Floats floor_x = Floats{} - 87.3f;
+  const Floats floor_x = broadcast(-87.3f);
   const Ints under = x < floor_x;
   x = under ? floor_x : x;
-  const Floats shift = Floats{} + 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  const Floats shift = broadcast(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
   const Floats n = (x * 1.44269504f + shift) - shift;
   const Floats r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
-  Floats p = Floats{} + 1.9875691500e-4f;
+  Floats p = broadcast(1.9875691500e-4f);
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
@@ -209,8 +191,9 @@ void weigh_head(const float* p, const float* const* rows, const Shapes& s, int64
 struct Scratch {
   std::vector<float> scores, acc, widened;
   std::vector<const float*> rows;
-  explicit Scratch(const Shapes& s)
-      : scores(s.heads * s.selected), acc(s.heads * s.latent), widened(s.selected * s.width), rows(s.selected) {}
+  Scratch(const Shapes& s, bool widens)  // float32 rows are read in place: nothing to widen them into
+      : scores(s.heads * s.selected), acc(s.heads * s.latent), widened(widens ? s.selected * s.width : 0),
+        rows(s.selected) {}
 };
 
 template <typename Cache>
@@ -219,7 +202,7 @@ void attend_query(const float* q, const Cache* base, const int64_t* index, const
   const int64_t grouped = s.heads / kHeads * kHeads;
   for (int64_t k = 0; k < s.selected; ++k) {
     if (k + kAhead < s.selected) prefetch_row(base + index[k + kAhead] * s.step, s.width);
-    const float* row = w.rows[k] = widened(base + index[k] * s.step, s.width, w.widened.data() + k * s.width);
+    const float* row = w.rows[k] = widened(base + index[k] * s.step, s.width, w.widened.data(), k);
     for (int64_t h = 0; h < grouped; h += kHeads) score_heads(q, row, s, h, k, w.scores.data());
     for (int64_t h = grouped; h < s.heads; ++h) score_head(q, row, s, h, k, w.scores.data());
   }
@@ -234,7 +217,7 @@ template <typename Cache>
 void attend_all(const Shapes& s, const float* query, const Cache* base, const int64_t* index, const bool* allowed,
                 Cache* out) {
   at::parallel_for(0, s.queries, 1, [&](int64_t begin, int64_t end) {
-    Scratch scratch(s);
+    Scratch scratch(s, !std::is_same_v<Cache, float>);
     for (int64_t i = begin; i < end; ++i) {
       attend_query(query + i * s.heads * s.width, base, index + i * s.selected,
                    allowed == nullptr ? nullptr : allowed + i * s.selected, s, scratch, out + i * s.heads * s.latent);
