@@ -1,4 +1,9 @@
-"""ModelRunner: turns scheduled work into forward passes of the main model and of the MTP layer."""
+"""ModelRunner: turns scheduled work into forward passes of the main model and of the MTP layer.
+
+An engine step is one `run_main`, then any number of `run_mtp` calls (drafting). The graph weights
+are checked for changed parameters once per step, at its first `decode` or `mtp_decode` call,
+not at every call: the check reads each parameter's version, and nothing changes weights
+within a step."""
 
 from __future__ import annotations
 
@@ -11,6 +16,7 @@ from glmserve.engine.scheduler import ScheduledWork
 from glmserve.model.attention import pad_topk, split_topk
 from glmserve.model.forward_batch import ForwardBatch
 from glmserve.model.glm_model import GlmForCausalLM
+from glmserve.model.graph_weights import GraphWeights
 from glmserve.model.paged_cache import PagedKVCache
 
 # Items with more MTP positions than this store the KV of all but the last without running the layer.
@@ -35,6 +41,12 @@ class ModelRunner:
         self.model = model
         self.cache = cache
         self.block_size = cache.layout.block_size
+        self._step_weights: GraphWeights | None = None  # taken by this step's first graph call
+
+    def _graph_weights(self) -> GraphWeights:
+        if self._step_weights is None:
+            self._step_weights = self.model.graph_weights()
+        return self._step_weights
 
     def _batch(self, tokens: list[list[int]], starts: list[int], reqs: list[Request]) -> ForwardBatch:
         return ForwardBatch.build(tokens, starts, [r.block_ids for r in reqs], self.block_size)
@@ -43,6 +55,7 @@ class ModelRunner:
     def run_main(self, work: list[ScheduledWork]) -> MainResult:
         """The main model over this step's work: decode items (the pending token and its drafts) through
         `GlmForCausalLM.decode`, one pass per length, the rest (prompt chunks) through its layers."""
+        self._step_weights = None  # a new step: weights may have changed since the last one
         result = MainResult([None] * len(work), [None] * len(work))  # type: ignore[list-item]
         by_len: dict[int, list[int]] = {}
         general = []
@@ -63,7 +76,7 @@ class ModelRunner:
         s = work[items[0]].num_new
         ids = torch.tensor([[r.token_ids[-1], *r.drafts][:s] for r in reqs], dtype=torch.int64)
         positions = torch.tensor([r.num_computed for r in reqs], dtype=torch.int64)[:, None] + torch.arange(s)
-        logits, normed = self.model.decode(self.cache, ids, positions, _tables(reqs))
+        logits, normed = self.model.decode(self.cache, ids, positions, _tables(reqs), self._graph_weights())
         for j, i in enumerate(items):
             result.hidden[i] = normed[j * s : (j + 1) * s]
             result.logits[i] = logits[j * s : (j + 1) * s]
@@ -152,7 +165,7 @@ class ModelRunner:
             selected, valid = (None, None) if given is None else pad_topk(given)
             out, draft_logits, used = self.model.mtp_decode(self.cache, ids, torch.cat([hidden[i] for i in items]),
                                                             positions, _tables([reqs[i] for i in items]),
-                                                            selected, valid)
+                                                            selected, valid, self._graph_weights())
             used = given or split_topk(used, self.model.config.index_topk, (positions[:, -1] + 1).tolist())
             for j, i in enumerate(items):
                 last[i], logits[i], topk[i] = out[j], draft_logits[j], used[j][-1:]

@@ -132,32 +132,36 @@ class GlmForCausalLM(nn.Module):
         return self.decode_graph_enabled and 0 < num_new <= ABSORBED_MAX_QUERIES and self.graph_unsupported is None
 
     def decode(self, cache: PagedKVCache, input_ids: torch.Tensor, positions: torch.Tensor,
-               tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+               tables: torch.Tensor, weights: GraphWeights | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits [B * S, V] float32, normed hidden [B * S, hidden]) of B sequences of S new tokens:
         ids and positions [B, S] (each row consecutive), block tables [B, W]; the new tokens' KV is
         stored in `cache`. The same function as `forward`, written for such batches
-        (glmserve/model/decode_forward.py)."""
-        w = self._graph()
+        (glmserve/model/decode_forward.py). `weights`: `graph_weights()` taken earlier in the same step."""
+        w = weights if weights is not None else self.graph_weights()
         cos, sin = self.rope.cos_sin(positions.reshape(-1), self.dtype)
         normed = decode_forward(w, self.config, cache, input_ids, positions, tables, cos, sin)
         return w.head(normed).float(), normed
 
     def mtp_decode(self, cache: PagedKVCache, input_ids: torch.Tensor, prev_hidden: torch.Tensor,
                    positions: torch.Tensor, tables: torch.Tensor, selected: torch.Tensor | None = None,
-                   valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   valid: torch.Tensor | None = None,
+                   weights: GraphWeights | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`mtp_step` of B sequences of S positions each in one function (tokens t+1 `input_ids` and
         positions t [B, S], prev_hidden [B * S, hidden], block tables [B, W]), then `mtp_logits` of each
         sequence's last position: (its output [B, hidden], its draft logits [B, V] float32, the positions
         [B, S, K] the queries attended). `selected` / `valid`: an earlier step's selection to reuse
-        (decode_forward.mtp_forward)."""
-        w = self._graph()
+        (decode_forward.mtp_forward). `weights`: as in `decode`."""
+        w = weights if weights is not None else self.graph_weights()
         cos, sin = self.rope.cos_sin(positions.reshape(-1), self.dtype)
         out, used = mtp_forward(w.mtp, w.embed, self.config, cache, input_ids, prev_hidden, positions, tables, cos,
                                 sin, selected, valid)
         last = out.view(*positions.shape, -1)[:, -1]
         return last, w.mtp.head(rms_norm(last, w.mtp.norm, self.config.rms_norm_eps)).float(), used
 
-    def _graph(self) -> GraphWeights:
+    def graph_weights(self) -> GraphWeights:
+        """The weights `decode` and `mtp_decode` run, taken again when a parameter changed. The check
+        reads every source parameter's version (~130 us for the bundled model, more for larger
+        ones), so a caller making several calls in one step takes them once (`ModelRunner`)."""
         if self.graph_unsupported is not None:
             raise ValueError(f"model: decode cannot run {self.graph_unsupported}")
         if self._graph_weights is None or self._graph_weights.stale:

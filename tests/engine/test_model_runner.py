@@ -50,3 +50,37 @@ def test_prefill_chunks_then_decode_rows_match_a_plain_forward(model):
     expected = _plain_logits(model, b_prompt + [5, 7, 9])[-3:]  # after the pending token and each draft
     assert second.logits[1].shape == expected.shape and torch.allclose(second.logits[1], expected, atol=1e-4)
     assert [h.shape[0] for h in second.hidden] == [len(a_prompt) - 20, 3]
+
+
+def test_graph_weights_are_checked_once_per_step_and_a_change_shows_at_the_next(model, monkeypatch):
+    """The staleness check reads every parameter's version, so a step takes the weights once: its
+    decode pass and its drafting passes share them, and the next step sees a changed weight."""
+    cache = PagedKVCache(KVLayout.for_config(model.config, BLOCK, dtype=model.dtype, with_mtp=True), 8)
+    runner = ModelRunner(model, cache)
+    prompt = prompts(1, seed=4, min_len=20, max_len=30)[0]
+    req = Request("a", prompt, SamplingParams())
+    req.block_ids = list(range(4))
+    prefill = runner.run_main([ScheduledWork(req, len(prompt), False)])
+    req.num_computed = len(prompt)
+    req.append_output([5])
+    taken = []
+    original = model.graph_weights
+    monkeypatch.setattr(model, "graph_weights", lambda: taken.append(1) or original())
+    step = runner.run_main([ScheduledWork(req, 1, True)])
+    hidden = [prefill.hidden[0][-1:], step.hidden[0]]
+    runner.run_mtp([req], [len(prompt) - 1], [torch.cat(hidden)], [[5, 6]])
+    runner.run_mtp([req], [len(prompt) + 1], [step.hidden[0]], [[7]])
+    assert len(taken) == 1
+    head = model.lm_head.weight
+    try:
+        with torch.no_grad():
+            head.mul_(2.0)  # in place: the same storage, a new version
+        req.num_computed += 1
+        req.append_output([6])
+        doubled = runner.run_main([ScheduledWork(req, 1, True)])
+        assert len(taken) == 2
+        expected = _plain_logits(model, prompt + [5, 6])[-1]
+        assert torch.allclose(doubled.logits[0][0], expected, atol=1e-4)
+    finally:
+        with torch.no_grad():
+            head.mul_(0.5)
