@@ -151,17 +151,19 @@ def test_decode_worker_killed_mid_stream_its_streams_resume_on_the_other(platfor
     """Stream migration: the streams on the killed decode worker go on on the other one (through
     prefill again with prompt + the tokens sent); every stream is the unloaded run's, text, usage
     and logprob tokens, and none sees an error."""
-    reference = asyncio.run(_solo(platform, PROMPTS, 80))
+    # 150 tokens: long enough that no stream ends before every stream has started (80 could, when
+    # decode-0's streams finished while a prompt still waited for its prefill)
+    reference = asyncio.run(_solo(platform, PROMPTS, 150))
     both_busy = lambda rs: all(r.chunks for r in rs) and platform.running("decode-0") > 0  # noqa: E731
-    results, _ = asyncio.run(_run_and_kill(platform, PROMPTS, 80, "decode-0", both_busy))
+    results, _ = asyncio.run(_run_and_kill(platform, PROMPTS, 150, "decode-0", both_busy))
     # Until it is back, /ready says one decode worker of two is healthy, and still serves.
     assert platform.ready()["workers"]["decode"] == {"healthy": 1, "total": 2}
     for r, ref in zip(results, reference, strict=True):
         assert (r.error, r.finish_reason, r.text, r.usage) == (None, "length", ref.text, ref.usage)
-        assert r.logprob_tokens == ref.logprob_tokens and len(r.logprob_tokens) == 80
+        assert r.logprob_tokens == ref.logprob_tokens and len(r.logprob_tokens) == 150
     assert "resuming after" in platform.log_path.read_text()  # some were on decode-0
     _back(platform, "decode-0")
-    assert [r.text for r in asyncio.run(_solo(platform, PROMPTS[:2], 80))] == [r.text for r in reference[:2]]
+    assert [r.text for r in asyncio.run(_solo(platform, PROMPTS[:2], 150))] == [r.text for r in reference[:2]]
 
 
 def test_prefill_worker_killed_streams_already_decoding_finish(platform: Platform) -> None:
