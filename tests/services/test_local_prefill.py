@@ -23,6 +23,16 @@ def test_auto_goes_local_only_when_the_decode_worker_would_finish_before_the_pre
     assert lp.queued("d1") == 0
 
 
+def test_the_decode_workers_own_hit_is_not_counted_as_work():
+    lp = LocalPrefill()
+    assert lp.choose("d1", 1000, remote_queued=300) is None
+    assert lp.choose("d1", 1000, remote_queued=300, own_hit_tokens=700) == "backlog"  # 300 to compute
+    assert lp.choose("d1", 1000, remote_queued=299, own_hit_tokens=700) is None
+    lp.acquire("d1", 300)  # the backend queues what is computed, not the whole prompt
+    assert lp.choose("d1", 1000, remote_queued=599, own_hit_tokens=700) is None
+    assert lp.choose("d1", 1000, remote_queued=600, own_hit_tokens=700) == "backlog"
+
+
 def test_short_prompts_and_the_fixed_modes():
     short = LocalPrefill(LocalPrefillConfig(short_tokens=64))
     assert short.choose("d", 64, remote_queued=0) == "short"

@@ -12,6 +12,7 @@ from redis_fixtures import free_port
 from glmserve.core.block_hash import CacheKeyRoot, block_hashes
 from glmserve.kv.block_index import Tier
 from glmserve.services.router.backend import RequestHints
+from glmserve.services.router.prefill_routing import RoutingConfig
 from glmserve.services.router.prefix_router import PrefixRouter
 from glmserve.services.router.worker_pool import HealthReport, WorkerPool
 
@@ -116,5 +117,28 @@ def test_least_queued_tokens_is_the_soonest_start_of_a_healthy_worker() -> None:
         router.release(first, FirstEvent(0))
         assert router.least_queued_tokens() == 0
         await router.close()
+
+    asyncio.run(scenario())
+
+
+def test_the_decode_workers_own_blocks_are_looked_up_under_cache_aware_routing_only() -> None:
+    """`LocalPrefill` counts what the decode worker already holds (it decoded the earlier turns);
+    a baseline policy is told of no hits, its own included."""
+    port = free_port()
+
+    async def scenario() -> None:
+        with kvstore(port) as client:
+            decode = WorkerPool("decode", ["127.0.0.1:7000"])
+            decode.report("127.0.0.1:7000", HealthReport(True, "d-0", free_blocks=100, cache_root=ROOT_A,
+                                                         block_size=BS), decode.epoch("127.0.0.1:7000"))
+            client.publish_stored("d-0", Tier.DEVICE, block_hashes(ROOT_A, PROMPT, BS)[:4])
+            for policy, expected in (("cache_aware", 64), ("least_loaded", 0)):
+                router = PrefixRouter(pool({"p-a": ROOT_A}), RoutingConfig(policy=policy), kvstore_up=lambda: True)
+                router.connect(f"127.0.0.1:{port}")
+                routed = await router.route(PROMPT, RequestHints(), decode.view("127.0.0.1:7000"))
+                assert (routed.local_hit_tokens, routed.local_compute_tokens) == (expected, 100 - expected)
+                assert routed.decision.device_hit_tokens == 0  # the prefill worker holds none of it
+                assert (await router.route(PROMPT, RequestHints())).local_hit_tokens == 0  # no decode worker named
+                await router.close()
 
     asyncio.run(scenario())

@@ -67,5 +67,6 @@ class DecodeServicer(pb_grpc.DecodeServicer):
     async def Health(self, request: pb.HealthRequest, context: grpc.aio.ServicerContext) -> pb.HealthReply:
         h = self._worker.health()
         return pb.HealthReply(ready=h.ready, worker_id=self._worker_id, running=h.running,
-                              waiting=h.waiting, free_blocks=h.free_blocks)
+                              waiting=h.waiting, free_blocks=h.free_blocks, cache_root=h.cache_root,
+                              block_size=h.block_size)
 

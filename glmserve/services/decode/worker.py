@@ -69,6 +69,8 @@ class WorkerHealth:
     running: int
     waiting: int
     free_blocks: int
+    cache_root: bytes = b""  # the engine's prefix-cache root hash (empty: caching off)
+    block_size: int = 0
 
 
 class DecodeStream:
@@ -137,7 +139,7 @@ class DecodeWorker:
 
     def health(self) -> WorkerHealth:
         s = self._engine.snapshot
-        return WorkerHealth(self._ready(), s.running, s.waiting + s.reserved, s.free_blocks)
+        return WorkerHealth(self._ready(), s.running, s.waiting + s.reserved, s.free_blocks, s.cache_root, s.block_size)
 
     def _ready(self) -> bool:
         return self._context is not None and self._engine.alive and not (self._draining or self._closing)

@@ -257,7 +257,8 @@ class DisaggregatedBackend(GenerationBackend):
             if decode is None and not sent.token_ids:
                 raise _refused(refusals) if refusals else BackendUnavailable("no healthy decode worker")
             prompt, attempt_params = sent.attempt()
-            routed = await self.prefix_router.route(prompt, hints) if decode is not None else None
+            routed = await self.prefix_router.route(prompt, hints, self.decode_pool.view(decode)) \
+                if decode is not None else None
             if routed is None:
                 if sent.token_ids:  # the client has tokens: too late for a refusal
                     self.prefix_router.metrics.migrations.labels(outcome="ended").inc()
@@ -268,7 +269,8 @@ class DisaggregatedBackend(GenerationBackend):
             if stream.aborted:
                 yield TokenEvent.ended(request_id, "abort")
                 return
-            local = self.local_prefill.choose(decode, len(prompt), self.prefix_router.least_queued_tokens())
+            local = self.local_prefill.choose(decode, len(prompt), self.prefix_router.least_queued_tokens(),
+                                              routed.local_hit_tokens)
             request = decode_pb.GenerateRequest(
                 transfer=common_pb.TransferId(request_id=request_id, generation=next(self._generations)),
                 prompt_ids=prompt, sampling=sampling_to_proto(attempt_params), prefill_target=prefill,
@@ -368,7 +370,7 @@ class DisaggregatedBackend(GenerationBackend):
         if hold.local is None:
             self.prefix_router.acquire(hold.routed)
             return
-        self.local_prefill.acquire(hold.decode, hold.routed.num_prompt_tokens)
+        self.local_prefill.acquire(hold.decode, hold.routed.local_compute_tokens)
         self.prefix_router.metrics.local_prefills.labels(reason=hold.local).inc()
 
     def _recheck_prefill(self, hold: _PrefillHold) -> None:
@@ -380,7 +382,7 @@ class DisaggregatedBackend(GenerationBackend):
         if hold.local is None:
             self.prefix_router.release(hold.routed, first_event)
             return
-        self.local_prefill.release(hold.decode, hold.routed.num_prompt_tokens)
+        self.local_prefill.release(hold.decode, hold.routed.local_compute_tokens)
         self.prefix_router.served_locally(hold.routed, first_event)
 
     # --- health -----------------------------------------------------------------------------------
@@ -417,7 +419,7 @@ class DisaggregatedBackend(GenerationBackend):
         try:
             reply = await stub_type(self._channels[address]).Health(request, timeout=self._health_timeout_s)
             report = HealthReport(reply.ready, reply.worker_id, reply.running, reply.waiting, reply.free_blocks,
-                                  *((reply.cache_root, reply.block_size) if pool is self.prefill_pool else ()))
+                                  reply.cache_root, reply.block_size)
         except grpc.aio.AioRpcError as e:
             error, slow = f"health: {e.code().name}: {e.details()}", e.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         if pool.report(address, report, epoch, error, slow):

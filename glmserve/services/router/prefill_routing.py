@@ -100,13 +100,18 @@ class PrefillRouting:
         self.sessions = sessions if sessions is not None else SessionAffinity(config.session_ttl_s)
         self._turn = 0  # round-robin cursor for exact ties
 
+    @property
+    def sees_hits(self) -> bool:
+        """Whether this policy is told of cache hits (the baselines are not)."""
+        return self.config.policy == "cache_aware"
+
     def choose(self, candidates: Sequence[PrefillCandidate], num_prompt_tokens: int, block_size: int,
                session_id: str | None = None, index_known: bool = True) -> RoutingDecision | None:
         """The worker for a prompt of ``num_prompt_tokens`` (None without candidates).
         ``index_known``: False when neither the index nor a local view could be asked."""
         if not candidates:
             return None
-        if self.config.policy != "cache_aware":
+        if not self.sees_hits:
             return self._baseline(candidates, num_prompt_tokens)
         reusable = reusable_blocks(num_prompt_tokens, block_size) * block_size
         hits = {c.address: self._hits(c, reusable, block_size) for c in candidates}

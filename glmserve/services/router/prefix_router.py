@@ -11,6 +11,9 @@ Per request (on the event loop; hashing a long prompt runs in a thread, DESIGN i
 3. build one `PrefillCandidate` per healthy worker and let the policy choose. Device blocks count
    for the worker holding them; the host tier is one CPU pool in the kvstore that every worker can
    load from, so the longest host run reported under any holder id counts for every candidate.
+4. under a policy that sees hits, also the device blocks of the decode worker the request goes to
+   (``local``): it holds every earlier turn it decoded, and `LocalPrefill` counts them when it
+   weighs prefilling the prompt there (a decode worker does not load from the host tier).
 
 ``acquire`` / ``release`` bracket the prefill (until decode's first event): they keep the tokens
 this router queued on each worker, record the prompt's blocks in the local view once the prefill
@@ -55,6 +58,12 @@ class RoutedPrefill:
     worker_id: str
     num_prompt_tokens: int
     hashes: list[bytes] = field(default_factory=list)  # the prompt's full blocks, under its root
+    local_hit_tokens: int = 0  # prompt tokens the decode worker holds itself (`route`'s ``local``)
+
+    @property
+    def local_compute_tokens(self) -> int:
+        """What the decode worker would compute if it prefilled the prompt itself."""
+        return self.num_prompt_tokens - self.local_hit_tokens
 
 
 class PrefixRouter:
@@ -95,11 +104,15 @@ class PrefixRouter:
 
     # -- routing ----------------------------------------------------------------------------------
 
-    async def route(self, prompt_ids: Sequence[int], hints: RequestHints) -> RoutedPrefill | None:
+    async def route(self, prompt_ids: Sequence[int], hints: RequestHints,
+                    local: WorkerView | None = None) -> RoutedPrefill | None:
+        """The prefill worker for a prompt (None: no healthy one); ``local``: the decode worker the
+        request goes to, whose own hit is looked up too (step 4 of the module docstring)."""
         views = [v for v in self.pool.views() if v.healthy]
         if not views:
             return None
-        hashes = await self._hash_per_root(views, prompt_ids, hints.cache_salt)
+        local = local if local is not None and self.policy.sees_hits else None
+        hashes = await self._hash_per_root(views + ([local] if local else []), prompt_ids, hints.cache_salt)
         matches, source = await self._lookup(hashes, len(prompt_ids))
         candidates, block_size = [], 0
         for v in views:
@@ -114,7 +127,8 @@ class PrefixRouter:
         assert decision is not None  # candidates is not empty
         chosen = next(v for v in views if v.address == decision.address)
         return RoutedPrefill(decision.address, decision, chosen.worker_id, len(prompt_ids),
-                             hashes.get((chosen.cache_root, chosen.block_size), []))
+                             hashes.get((chosen.cache_root, chosen.block_size), []),
+                             self._own_hit_tokens(local, matches, len(prompt_ids)))
 
     def queued_tokens(self, address: str) -> int:
         """Prompt tokens this router sent to ``address`` that are still being prefilled."""
@@ -151,6 +165,14 @@ class PrefixRouter:
         self.metrics.served(routed.num_prompt_tokens, int(getattr(first_event, "num_cached_tokens", 0)), 0)
 
     # -- parts ------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _own_hit_tokens(view: WorkerView | None, matches: dict[RootKey, dict[str, PrefixMatch]], n: int) -> int:
+        """Leading tokens of an ``n``-token prompt that ``view``'s worker holds on its device."""
+        if view is None or not view.worker_id or view.block_size <= 0:
+            return 0
+        found = matches.get((view.cache_root, view.block_size), {}).get(view.worker_id, PrefixMatch())
+        return min(found.device_blocks, reusable_blocks(n, view.block_size)) * view.block_size
 
     async def _hash_per_root(self, views: list[WorkerView], prompt_ids: Sequence[int],
                              salt: str | None) -> dict[RootKey, list[bytes]]:

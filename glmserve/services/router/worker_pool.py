@@ -31,7 +31,7 @@ class HealthReport:
     running: int = 0
     waiting: int = 0
     free_blocks: int = 0
-    cache_root: bytes = b""  # prefill: root of its prefix-cache hash chain (empty: caching off)
+    cache_root: bytes = b""  # root of its prefix-cache hash chain (empty: caching off)
     block_size: int = 0
 
 
@@ -163,10 +163,13 @@ class WorkerPool:
             w.report = replace(w.report, running=w.report.running - 1)
 
     def views(self) -> list[WorkerView]:
-        return [
-            WorkerView(w.address, w.healthy, w.load, w.inflight, w.free_blocks,
-                       w.report.worker_id if w.report is not None else "", w.last_error,
-                       w.report.cache_root if w.report is not None else b"",
-                       w.report.block_size if w.report is not None else 0)
-            for w in self._workers.values()
-        ]
+        return [self._view(w) for w in self._workers.values()]
+
+    def view(self, address: str) -> WorkerView:
+        return self._view(self._workers[address])
+
+    @staticmethod
+    def _view(w: _Worker) -> WorkerView:
+        r = w.report
+        return WorkerView(w.address, w.healthy, w.load, w.inflight, w.free_blocks, r.worker_id if r else "",
+                          w.last_error, r.cache_root if r else b"", r.block_size if r else 0)

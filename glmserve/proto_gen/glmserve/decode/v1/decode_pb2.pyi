@@ -65,15 +65,19 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthReply(_message.Message):
-    __slots__ = ("ready", "worker_id", "running", "waiting", "free_blocks")
+    __slots__ = ("ready", "worker_id", "running", "waiting", "free_blocks", "cache_root", "block_size")
     READY_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_ROOT_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     ready: bool
     worker_id: str
     running: int
     waiting: int
     free_blocks: int
-    def __init__(self, ready: _Optional[bool] = ..., worker_id: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., free_blocks: _Optional[int] = ...) -> None: ...
+    cache_root: bytes
+    block_size: int
+    def __init__(self, ready: _Optional[bool] = ..., worker_id: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., free_blocks: _Optional[int] = ..., cache_root: _Optional[bytes] = ..., block_size: _Optional[int] = ...) -> None: ...
