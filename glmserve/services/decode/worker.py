@@ -33,7 +33,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from glmserve.core.generation import SamplingParams, TokenEvent
@@ -47,6 +46,7 @@ from glmserve.services.engine_host import EngineHost
 from glmserve.services.host_metrics import HostTierMetrics
 from glmserve.services.host_tier_link import HostTierLink, HostTierSettings
 from glmserve.services.liveness import EngineWatch
+from glmserve.services.worker_health import WorkerHealth
 from glmserve.services.worker_metrics import TokenTimer, WorkerMetrics
 
 if TYPE_CHECKING:
@@ -61,16 +61,6 @@ class DecodeUnavailable(Exception):
 
 class DecodeFull(DecodeUnavailable):
     """No KV blocks for this prompt now; another decode worker may have them."""
-
-
-@dataclass(frozen=True)
-class WorkerHealth:
-    ready: bool
-    running: int
-    waiting: int
-    free_blocks: int
-    cache_root: bytes = b""  # the engine's prefix-cache root hash (empty: caching off)
-    block_size: int = 0
 
 
 class DecodeStream:

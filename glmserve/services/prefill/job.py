@@ -1,5 +1,5 @@
 """What a prefill worker is asked (`PrefillJob`), what it answers (`PrefillResult`,
-`AbortOutcome`, `WorkerHealth`), and how a job ends without a result (`PrefillError`)."""
+`AbortOutcome`; its Health is `services.worker_health.WorkerHealth`), and how a job ends without a result (`PrefillError`)."""
 
 from __future__ import annotations
 
@@ -66,16 +66,6 @@ def check_job(spec: PrefillJob, transfer_kind: str, block_size: int) -> None:
 class AbortOutcome:
     found: bool  # the job was still running
     drained: bool
-
-
-@dataclass(frozen=True)
-class WorkerHealth:
-    ready: bool
-    running: int
-    waiting: int
-    free_blocks: int
-    cache_root: bytes = b""  # the engine's prefix-cache root hash (empty: caching off)
-    block_size: int = 0
 
 
 async def drain_jobs(running: Callable[[], int], timeout_s: float, settle_s: float = 1.5) -> int:

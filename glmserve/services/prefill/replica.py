@@ -40,7 +40,6 @@ from glmserve.services.prefill.job import (
     PrefillFailed,
     PrefillJob,
     PrefillResult,
-    WorkerHealth,
     check_job,
     drain_jobs,
 )
@@ -48,6 +47,7 @@ from glmserve.services.prefill.stage_client import LocalStage, StageCallError, S
 from glmserve.services.prefill.stage_job import DEFAULT_STREAM_MIN_TOKENS, StageJobSpec, StageOutcome
 from glmserve.services.prefill.stage_worker import StageWorker
 from glmserve.services.prefill.transfer_timeline import TimelineMetrics, TransferTimeline
+from glmserve.services.worker_health import WorkerHealth
 from glmserve.services.worker_metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)

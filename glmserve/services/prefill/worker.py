@@ -45,11 +45,11 @@ from glmserve.services.prefill.job import (
     PrefillFailed,
     PrefillJob,
     PrefillResult,
-    WorkerHealth,
     check_job,
     drain_jobs,
 )
 from glmserve.services.prefill.write_control import request_cancel, wait_final
+from glmserve.services.worker_health import WorkerHealth
 from glmserve.services.worker_metrics import WorkerMetrics
 
 if TYPE_CHECKING:
